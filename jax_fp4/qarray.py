@@ -1,0 +1,135 @@
+"""QArray: a quantized array as an immutable JAX pytree (DESIGN.md section 4)."""
+from __future__ import annotations
+
+import math
+import jax
+import numpy as np
+
+from .formats import get_format
+
+SCALE_LAYOUTS = ("linear", "swizzled")
+
+
+@jax.tree_util.register_pytree_node_class
+class QArray:
+    """A quantized array: packed codes plus block scales, with static format metadata.
+
+    Children (arrays, traced through jit/vmap/grad):
+      data: element codes with the blocked axis moved last. A logical (..., K) array
+        blocked along ``axis`` is stored as (rest..., K*bits/8) uint8 (two 4-bit codes per
+        byte, low nibble first; 6-bit codes as a little-endian bit stream), or as
+        (rest..., K) float8_e4m3fn / float8_e5m2 for MXFP8.
+      scales: one per block. ``scale_layout="linear"``: (rest..., K/block_size);
+        ``"swizzled"``: the 2-D 128x4 tiled layout (ceil(rows/128)*32, ceil(nb/4)*16) with
+        rows = prod(rest), as cuBLASLt/CUTLASS read it. dtype float8_e4m3fn (nvfp4),
+        float8_e8m0fnu (MX), float32 absmax (nf4, bnb_fp4), or bf16/f16/f32 (int4).
+      tensor_scale: NVFP4 per-tensor decode scale (float32 scalar) or None.
+      zeros: INT4 zero points, uint8 shaped like linear scales, or None.
+
+    Static (aux data): format name, ``axis`` (blocked axis of the logical shape,
+    non-negative), logical ``shape`` at creation, ``dtype`` (default dequantize dtype),
+    ``block_size`` and ``scale_layout``.
+
+    Under ``vmap``/``scan`` the leaves lose leading axes; ``shape``/``axis`` are derived
+    from ``data`` so a stacked QArray of L layers sliced by scan reads as one layer.
+    """
+
+    __slots__ = ("data", "scales", "tensor_scale", "zeros", "format", "_axis", "_shape",
+                 "dtype", "block_size", "scale_layout")
+
+    def __init__(self, data, scales, tensor_scale=None, zeros=None, *, format, axis, shape,
+                 dtype, block_size, scale_layout="linear"):
+        self.data = data
+        self.scales = scales
+        self.tensor_scale = tensor_scale
+        self.zeros = zeros
+        self.format = get_format(format).name
+        self._axis = int(axis)
+        self._shape = tuple(int(d) for d in shape)
+        self.dtype = np.dtype(dtype)
+        self.block_size = int(block_size)
+        if scale_layout not in SCALE_LAYOUTS:
+            raise ValueError(f"scale_layout: expected one of {SCALE_LAYOUTS}, got {scale_layout!r}")
+        self.scale_layout = scale_layout
+
+    # -- pytree -------------------------------------------------------------------
+    def tree_flatten(self):
+        aux = (self.format, self._axis, self._shape, self.dtype, self.block_size,
+               self.scale_layout)
+        return (self.data, self.scales, self.tensor_scale, self.zeros), aux
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        obj = object.__new__(cls)
+        obj.data, obj.scales, obj.tensor_scale, obj.zeros = children
+        (obj.format, obj._axis, obj._shape, obj.dtype, obj.block_size,
+         obj.scale_layout) = aux
+        return obj
+
+    # -- shape ---------------------------------------------------------------------
+    @property
+    def fmt(self):
+        return get_format(self.format)
+
+    @property
+    def _dropped(self) -> int:
+        """Leading logical axes that vmap/scan have taken off the leaves."""
+        data_ndim = getattr(self.data, "ndim", None)
+        if data_ndim is None:  # leaves replaced by non-arrays (e.g. tree_map to specs)
+            return 0
+        return len(self._shape) - data_ndim
+
+    @property
+    def axis(self) -> int:
+        """Blocked axis of the logical shape (non-negative)."""
+        ax = self._axis - self._dropped
+        if ax < 0:
+            raise ValueError(
+                "QArray: the blocked axis was mapped over (vmap/scan over the blocked axis "
+                "is not supported); map over a non-blocked axis instead")
+        return ax
+
+    @property
+    def shape(self) -> tuple:
+        """Logical shape (what ``dequantize`` returns)."""
+        d = self._dropped
+        if d == 0:
+            return self._shape
+        ax = self.axis
+        rest = tuple(self.data.shape[:-1])
+        k = self._shape[self._axis]
+        return rest[:ax] + (k,) + rest[ax:]
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the arrays (data, scales, tensor scale, zero points)."""
+        leaves = jax.tree_util.tree_leaves((self.data, self.scales, self.tensor_scale,
+                                            self.zeros))
+        return int(sum(np.dtype(x.dtype).itemsize * math.prod(x.shape) for x in leaves))
+
+    def dequantize(self, dtype=None):
+        """Decode to a dense array of ``dtype`` (default ``self.dtype``); see
+        :func:`jax_fp4.dequantize`."""
+        from .ops import dequantize
+
+        return dequantize(self, dtype)
+
+    def __repr__(self):
+        ts = "" if self.tensor_scale is None else ", tensor_scale"
+        z = "" if self.zeros is None else ", zeros"
+        return (f"QArray(format={self.format}, shape={self.shape}, axis={self._axis}, "
+                f"dtype={self.dtype.name}, block_size={self.block_size}, "
+                f"scale_layout={self.scale_layout}{ts}{z})")
+
+
+def is_qarray(x) -> bool:
+    return isinstance(x, QArray)
+

@@ -1,0 +1,437 @@
+"""The pure-jnp reference implementation of every format: the definition of jax-fp4.
+
+Everything here implements DESIGN.md section 3 exactly, on the canonical 2-D view used by
+the primitives and the FFI kernels (csrc/README.md): ``x`` is ``(R, K)`` with the blocked
+axis last and ``K % block_size == 0``. The CPU and CUDA kernels must match these functions
+bit for bit; tests use them as the oracle, and any platform without our kernels (TPU,
+ROCm, GPUs without the extension) runs them.
+
+Exactness on XLA. XLA flushes float32 subnormal operands and results to zero (XLA:CPU sets
+FTZ/DAZ), while the spec is exact IEEE-754 binary32 arithmetic. So nothing here lets a
+subnormal reach a floating-point instruction whose result matters: comparisons and
+maxima run on the integer bit patterns, powers of two are applied by exponent arithmetic,
+element rounding is integer round-to-nearest-even, and products that can be subnormal go
+through :func:`_mul_exact`, a small integer emulation of an IEEE float32 multiply.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from . import layout
+from .formats import E2M1, E4M3, Format, MiniFloat, decode_table, get_format
+
+F32 = jnp.float32
+U32 = jnp.uint32
+I32 = jnp.int32
+
+# IEEE binary32 / binary16 as MiniFloats for the shared rounding routine. max_code is the
+# code of +Inf, so an overflow rounds to Inf as IEEE does.
+_F32_FMT = MiniFloat("f32", 8, 23, 127, 0x7F800000, np.float32)
+_F16_FMT = MiniFloat("f16", 5, 10, 15, 0x7C00, np.float16)
+
+TENSOR_SCALE_MIN = 2.0 ** -120  # smallest valid NVFP4 per-tensor (decode) scale
+NVFP4_AMAX_DIVISOR = 448.0 * 6.0  # E4M3 max * E2M1 max = 2688
+_NAN_BITS = 0x7FC00000
+
+
+# --------------------------------------------------------------------------- bit tools
+def _bits(x):
+    """float32 -> uint32 bit pattern."""
+    return lax.bitcast_convert_type(x.astype(F32), U32)
+
+
+def _float(b):
+    """uint32 bit pattern -> float32."""
+    return lax.bitcast_convert_type(b.astype(U32), F32)
+
+
+def to_f32_bits(x):
+    """Exact conversion of an f32/bf16/f16 array to float32 bit patterns (uint32).
+
+    bf16 is widened by a shift (no arithmetic, so subnormals survive on every backend).
+    """
+    if x.dtype == jnp.bfloat16:
+        return lax.bitcast_convert_type(x, jnp.uint16).astype(U32) << 16
+    if x.dtype not in (jnp.float32, jnp.float16):
+        raise TypeError(f"x: expected float32, bfloat16 or float16, got {x.dtype}")
+    return _bits(x.astype(F32))
+
+
+def _ordered_key(b):
+    """Monotone map of float32 bits to int32 (for finite values; -0.0 and +0.0 equal)."""
+    mag = (b & 0x7FFFFFFF).astype(I32)
+    return jnp.where((b >> 31) == 1, -mag, mag)
+
+
+def _from_ordered_key(k):
+    return jnp.where(k < 0, (-k).astype(U32) | jnp.uint32(0x80000000), k.astype(U32))
+
+
+def _decompose(a):
+    """Finite non-negative float32 bits -> (sig, e) with value = sig * 2**e.
+
+    ``sig`` is normalised to [2**23, 2**24) (subnormals too), or 0 for zero.
+    """
+    ef = (a >> 23).astype(I32)
+    m = a & 0x7FFFFF
+    sig = jnp.where(ef == 0, m, m | 0x800000)
+    e = jnp.where(ef == 0, -149, ef - 150)
+    lz = jnp.clip(lax.clz(sig).astype(I32) - 8, 0, 24)
+    return sig << lz.astype(U32), e - lz
+
+
+def _shr_rne(hi, lo, sh):
+    """Round (hi + lo/2**24) / 2**sh to the nearest integer, ties to even.
+
+    hi < 2**24, lo < 2**24 (the bits below hi), sh >= 0 (clamped to 31).
+    """
+    sh = jnp.clip(sh, 0, 31).astype(U32)
+    q = hi >> sh
+    rem = hi & ((jnp.uint32(1) << sh) - 1)
+    half = jnp.where(sh > 0, jnp.uint32(1) << jnp.maximum(sh, 1) - 1, 0)
+    # remainder vs one half, with lo as the bits below: for sh == 0 the half is lo == 2**23.
+    above = jnp.where(sh > 0, (rem > half) | ((rem == half) & (lo > 0)), lo > 0x800000)
+    tie = jnp.where(sh > 0, (rem == half) & (lo == 0), lo == 0x800000)
+    return q + (above | (tie & ((q & 1) == 1))).astype(U32)
+
+
+def _round_to(sign, hi, lo, e, fmt: MiniFloat):
+    """Round ±(hi + lo/2**24) * 2**e to ``fmt`` (RNE), saturating at ``fmt.max_code``.
+
+    hi is 0 or normalised to [2**23, 2**24). Returns the code with the sign in the top bit
+    (uint32). One mechanism for element encoding, exact power-of-two scaling and products.
+    """
+    m = fmt.mbits
+    top = e + 23  # exponent of hi's leading bit
+    e_t = jnp.where(hi == 0, fmt.emin, jnp.maximum(top, fmt.emin))
+    q = _shr_rne(hi, lo, (e_t - m) - e)
+    mag = ((e_t + fmt.bias - 1).astype(U32) << m) + q
+    mag = jnp.minimum(mag, jnp.uint32(fmt.max_code))
+    return mag | (sign.astype(U32) << (fmt.bits - 1))
+
+
+def encode(b, fmt: MiniFloat, k=0):
+    """Code of (float32 bits ``b``) * 2**k in the minifloat ``fmt``: RNE, saturating.
+
+    Finite inputs only (callers mask non-finite blocks). The sign is kept (-0.0 -> sign
+    bit set), so a negative value that rounds to zero gives the negative-zero code.
+    """
+    sig, e = _decompose(b & 0x7FFFFFFF)
+    return _round_to(b >> 31, sig, jnp.uint32(0), e + k, fmt)
+
+
+def _ldexp(v, k):
+    """v * 2**k exactly as IEEE would (RNE if the result is subnormal); v finite f32."""
+    return _float(encode(_bits(v), _F32_FMT, k))
+
+
+def _mul_exact(a, b):
+    """IEEE-754 binary32 a*b (RNE, subnormal operands and results exact).
+
+    XLA flushes subnormals, so the products that can meet one (decode of tiny scales,
+    NF4 scaling of tiny or huge blocks) are computed on 12-bit limbs of the significands.
+    NaN/Inf operands fall back to the plain product (IEEE non-finite rules).
+    """
+    ba, bb = _bits(a), _bits(b)
+    sa, ea = _decompose(ba & 0x7FFFFFFF)
+    sb, eb = _decompose(bb & 0x7FFFFFFF)
+    a1, a0 = sa >> 12, sa & 0xFFF
+    b1, b0 = sb >> 12, sb & 0xFFF
+    t0, t1, t2 = a0 * b0, a1 * b0 + a0 * b1, a1 * b1
+    lo_full = t0 + ((t1 & 0xFFF) << 12)
+    lo = lo_full & 0xFFFFFF
+    hi = t2 + (t1 >> 12) + (lo_full >> 24)  # product = hi * 2**24 + lo, hi in [2**22, 2**24)
+    small = hi < 0x800000
+    hi = jnp.where(small, (hi << 1) | (lo >> 23), hi)
+    lo = jnp.where(small, (lo << 1) & 0xFFFFFF, lo)
+    e = ea + eb + 24 - small.astype(I32)
+    zero = (sa == 0) | (sb == 0)
+    hi = jnp.where(zero, 0, hi)
+    lo = jnp.where(zero, 0, lo)
+    exact = _float(_round_to((ba ^ bb) >> 31, hi, lo, e, _F32_FMT))
+    return jnp.where(jnp.isfinite(a) & jnp.isfinite(b), exact, a * b)
+
+
+def _div(a, b):
+    """IEEE a / b. XLA's algebraic simplifier turns a division by a constant or by a
+    broadcast into a multiplication by the reciprocal (off by an ulp about half the
+    time), so the divisor is materialised at full shape behind an optimization barrier."""
+    a, b = jnp.asarray(a, F32), jnp.asarray(b, F32)
+    shape = jnp.broadcast_shapes(a.shape, b.shape)
+    return a / lax.optimization_barrier(jnp.broadcast_to(b, shape))
+
+
+def _recip_exact(a):
+    """IEEE 1/a for finite a in [1e-38, FLT_MAX] (a subnormal, or 1/a subnormal, included)."""
+    ba = _bits(a)
+    sub_a = ba < 0x00800000
+    a_up = jnp.where(sub_a, _ldexp(a, 64), a)
+    r_a = _div(1.0, a_up)
+    r_plain = jnp.where(sub_a, r_a * F32(2.0 ** 64), r_a)
+    # a > 2**126: 1/a is subnormal; q = RNE(2**149 / a) by restoring long division.
+    sig, e = _decompose(ba)
+    n = 149 - e  # 45 or 46 in this range
+
+    def step(i, carry):
+        rem, q = carry
+        live = i < n
+        rem2 = rem << 1
+        ge = rem2 >= sig
+        rem = jnp.where(live, jnp.where(ge, rem2 - sig, rem2), rem)
+        q = jnp.where(live, (q << 1) | ge.astype(U32), q)
+        return rem, q
+
+    rem, q = lax.fori_loop(0, 46, step, (jnp.ones_like(sig), jnp.zeros_like(sig)))
+    up = ((rem << 1) > sig) | (((rem << 1) == sig) & ((q & 1) == 1))
+    r_sub = _float(q + up.astype(U32))
+    return jnp.where(ba > 0x7E800000, r_sub, r_plain)
+
+
+def round_f32_to(y, dtype):
+    """Round float32 ``y`` to ``dtype`` (float32, bfloat16, float16) to nearest even.
+
+    Integer arithmetic, so subnormal inputs and results are exact on every backend; NaN
+    stays NaN, overflow goes to ±Inf.
+    """
+    dtype = jnp.dtype(dtype)
+    if dtype == jnp.float32:
+        return y.astype(F32)
+    b = _bits(y)
+    nan = (b & 0x7FFFFFFF) > 0x7F800000
+    sign = b >> 31
+    if dtype == jnp.bfloat16:
+        r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+        r = jnp.where(nan, (sign << 15) | 0x7FC0, r)
+        return lax.bitcast_convert_type(r.astype(jnp.uint16), jnp.bfloat16)
+    if dtype == jnp.float16:
+        a = b & 0x7FFFFFFF
+        sig, e = _decompose(jnp.minimum(a, 0x7F7FFFFF))
+        r = _round_to(sign, sig, jnp.uint32(0), e, _F16_FMT)
+        r = jnp.where(a == 0x7F800000, (sign << 15) | 0x7C00, r)
+        r = jnp.where(nan, (sign << 15) | 0x7E00, r)
+        return lax.bitcast_convert_type(r.astype(jnp.uint16), jnp.float16)
+    raise TypeError(f"dtype: expected float32, bfloat16 or float16, got {dtype}")
+
+
+@functools.lru_cache(maxsize=None)
+def _table(mf: MiniFloat):
+    return decode_table(mf)
+
+
+def _decode_minifloat(codes, mf: MiniFloat):
+    return jnp.asarray(_table(mf))[codes.astype(I32)]
+
+
+# --------------------------------------------------------------------------- scales
+def tensor_scale_from_amax(amax):
+    """NVFP4 per-tensor *decode* scale from a tensor's absolute maximum.
+
+    pts = amax / 2688 (float32 divide; 2688 = E4M3 max 448 * E2M1 max 6), as torchao
+    ``per_tensor_amax_to_scale`` and ModelOpt ``weight_scale_2``; amax == 0 gives 1.0, and
+    the result is at least 2**-120 (smaller scales overflow the element reciprocal; only
+    tensors with amax < 2688 * 2**-120 differ from torchao). NaN/Inf amax gives NaN/Inf.
+    """
+    amax = jnp.asarray(amax, F32)
+    pts = jnp.maximum(_div(amax, NVFP4_AMAX_DIVISOR), F32(TENSOR_SCALE_MIN))
+    return jnp.where((_bits(amax) & 0x7FFFFFFF) == 0, F32(1.0), pts)  # exact for subnormals
+
+
+def amax(x):
+    """max |x| over all elements as float32, exact for subnormals (integer max); NaN wins."""
+    b = to_f32_bits(x) & 0x7FFFFFFF
+    return _float(jnp.max(b, initial=jnp.uint32(0)))
+
+
+def _e8m0_floor(amax_b, emax: int):
+    return jnp.clip((amax_b >> 23).astype(I32) - emax, 0, 254)
+
+
+def _e8m0_rceil(amax_b, mf: MiniFloat):
+    """NVIDIA RCEIL: code of the power-of-two ceiling of q = f32(amax / max_elem)."""
+    max_elem = mf.max_value
+    lo = np.float32(max_elem * 2.0 ** -127)  # L: q <= 2**-126 exactly when amax <= 2L
+    t2 = np.nextafter(np.nextafter(lo, np.float32(np.inf)), np.float32(np.inf))
+    q = _bits(_div(_float(amax_b), max_elem))
+    ef = (q >> 23).astype(I32)
+    normal_code = jnp.minimum(ef + ((q & 0x7FFFFF) != 0).astype(I32), 254)
+    # amax <= 2L: q is subnormal (or 2**-126); q > 2**-127 <=> amax >= next(next(L)).
+    tiny_code = (amax_b >= _bits(jnp.asarray(t2))).astype(I32)
+    return jnp.where(amax_b > _bits(jnp.asarray(np.float32(2 * lo))), normal_code, tiny_code)
+
+
+# --------------------------------------------------------------------------- quantize
+def _blocks(x, block_size):
+    r, k = x.shape
+    return to_f32_bits(x).reshape(r, k // block_size, block_size)
+
+
+def _empty_outputs(f: Format, r, k, block_size, scale_dtype):
+    nb = k // block_size
+    codes = jnp.zeros((r, k * f.bits // 8), jnp.uint8)
+    zeros = jnp.zeros((r, nb) if f.family == "int4" else (0,), jnp.uint8)
+    return codes, jnp.zeros((r, nb), _scale_buffer_dtype(f, scale_dtype)), zeros
+
+
+def _scale_buffer_dtype(f: Format, scale_dtype):
+    if f.family == "int4":
+        return jnp.dtype(scale_dtype)
+    return jnp.dtype(jnp.float32) if f.family == "codebook" else jnp.dtype(jnp.uint8)
+
+
+def quantize_2d(x, fmt, block_size, *, tensor_scale=None, rceil=False, scale_dtype=None):
+    """Quantize the canonical 2-D view, returning the FFI buffers (csrc/README.md).
+
+    Args:
+      x: (R, K) float32 / bfloat16 / float16, blocked along K (K % block_size == 0).
+      fmt: format name or :class:`~jax_fp4.formats.Format`.
+      block_size: elements per block (group).
+      tensor_scale: NVFP4 only: None (one level) or (R,) float32 decode scale per row
+        (the per-tensor scale broadcast to rows).
+      rceil: MX only: scale rounding "rceil" instead of "floor".
+      scale_dtype: INT4 only: dtype of the group scales (default x.dtype).
+    Returns:
+      codes: (R, K*bits/8) uint8, packed little-endian (float8 bytes for MXFP8).
+      scales: (R, K/block_size): uint8 bits of E4M3 (nvfp4) or E8M0 (MX), float32 absmax
+        (nf4, bnb_fp4), or scale_dtype (int4).
+      zeros: (R, K/block_size) uint8 zero points for int4, else an empty (0,) uint8.
+    """
+    f = get_format(fmt)
+    r, k = x.shape
+    f.check_block_size(block_size, k)
+    if scale_dtype is None:
+        scale_dtype = x.dtype if f.family == "int4" else None
+    if x.size == 0:
+        return _empty_outputs(f, r, k, block_size, scale_dtype)
+    xb = _blocks(x, block_size)
+    amax_b = jnp.max(xb & 0x7FFFFFFF, axis=-1)  # integer max: exact, NaN/Inf visible
+    bad = amax_b >= 0x7F800000
+    zeros = jnp.zeros((0,), jnp.uint8)
+    if f.family == "nvfp4":
+        codes, scales = _quantize_nvfp4(xb, amax_b, tensor_scale)
+    elif f.family == "mx":
+        codes, scales = _quantize_mx(xb, amax_b, f.elem, rceil)
+    elif f.family == "codebook":
+        codes, scales = _quantize_codebook(xb, amax_b, f.table)
+    else:
+        codes, scales, zeros = _quantize_int4(xb, jnp.dtype(scale_dtype))
+        zeros = jnp.where(bad, 0, zeros).astype(jnp.uint8)
+    nan_scale = {"nvfp4": 0x7F, "mx": 0xFF}.get(f.family, np.nan)
+    scales = jnp.where(bad, jnp.asarray(nan_scale, scales.dtype), scales)
+    codes = jnp.where(bad[..., None], 0, codes).astype(jnp.uint8)
+    return layout.pack(codes.reshape(r, k), f.bits), scales, zeros
+
+
+def _quantize_nvfp4(xb, amax_b, tensor_scale):
+    amax = _float(amax_b)
+    if tensor_scale is None:
+        s_f = jnp.clip(_div(amax, 6.0), F32(2.0 ** -6), F32(448.0))
+    else:
+        pts = jnp.asarray(tensor_scale, F32)[:, None]
+        s_f = jnp.clip(_div(_div(amax, 6.0), pts), F32(2.0 ** -6), F32(448.0))
+    s_code = encode(_bits(s_f), E4M3)
+    s = _decode_minifloat(s_code, E4M3)
+    recip = _div(1.0, s) if tensor_scale is None else _div(_div(1.0, pts), s)
+    p = _bits(_mul_exact(_float(xb), recip[..., None]))
+    codes = encode((p & 0x7FFFFFFF) | (xb & jnp.uint32(0x80000000)), E2M1)  # sign of x, also for -0.0
+    s_code = s_code.astype(jnp.uint8)
+    if tensor_scale is not None:
+        valid = jnp.isfinite(pts) & (pts >= F32(TENSOR_SCALE_MIN))
+        s_code = jnp.where(valid, s_code, jnp.uint8(0x7F))
+        codes = jnp.where(valid[..., None], codes, 0)
+    return codes, s_code
+
+
+def _quantize_mx(xb, amax_b, mf: MiniFloat, rceil):
+    code = _e8m0_rceil(amax_b, mf) if rceil else _e8m0_floor(amax_b, mf.emax)
+    return encode(xb, mf, (127 - code)[..., None]), code.astype(jnp.uint8)
+
+
+@functools.lru_cache(maxsize=None)
+def _bucket_tables(table_bytes: bytes):
+    """Boundaries (as ordered int keys) and the sorted-position -> code map of a codebook."""
+    table = np.frombuffer(table_bytes, np.float32)
+    order = np.argsort(table, kind="stable")
+    srt = table[order]
+    mid = ((srt[:-1] + srt[1:]) / np.float32(2)).astype(np.float32)  # f32 (a+b)/2
+    mb = mid.view(np.uint32)
+    keys = np.where(mb >> 31 == 1, -(mb & 0x7FFFFFFF).astype(np.int64), mb).astype(np.int32)
+    return keys, order.astype(np.uint8)
+
+
+def bucketize(scaled, table):
+    """Code index of each float32 ``scaled`` in a codebook (torch.bucketize, right=False).
+
+    Counts the midpoints strictly below the value (an exact midpoint goes to the lower
+    code), compared as integer keys so subnormals are exact; stable sort for equal entries.
+    """
+    keys, order = _bucket_tables(np.asarray(table, np.float32).tobytes())
+    k = _ordered_key(_bits(scaled))
+    idx = jnp.sum(k[..., None] > jnp.asarray(keys), axis=-1)
+    return jnp.asarray(order)[idx]
+
+
+def _quantize_codebook(xb, amax_b, table):
+    absmax = _float(amax_b)
+    a = _float(jnp.maximum(amax_b, _bits(jnp.float32(1e-38))))  # integer max: exact
+    recip = _recip_exact(jnp.where(amax_b >= 0x7F800000, F32(1.0), a))
+    scaled = _mul_exact(_float(xb), recip[..., None])  # clamp(-1, 1) is implied by bucketize
+    return bucketize(scaled, table), absmax
+
+
+def _quantize_int4(xb, scale_dtype):
+    key = _ordered_key(xb)
+    mn = _float(_from_ordered_key(jnp.min(key, axis=-1)))
+    mx = _float(_from_ordered_key(jnp.max(key, axis=-1)))
+    s32 = _div(jnp.maximum(mx - mn, F32(1e-5)), 15.0)
+    s_store = round_f32_to(s32, scale_dtype)
+    s = s_store.astype(F32)[..., None]
+    z = jnp.clip(-jnp.round(_div(mn[..., None], s)), 0, 15)
+    q = jnp.clip(jnp.round(_div(_float(xb), s)) + z, 0, 15)
+    return q.astype(jnp.uint8), s_store, z[..., 0].astype(jnp.uint8)
+
+
+# --------------------------------------------------------------------------- dequantize
+def dequantize_2d(codes, scales, zeros, fmt, block_size, k, dtype, *, tensor_scale=None):
+    """Dequantize FFI-layout buffers (see :func:`quantize_2d`) to (R, K) ``dtype``.
+
+    The value is computed in float32 (DESIGN.md section 3 decode rules) and rounded to
+    ``dtype`` (float32, bfloat16, float16) to nearest even.
+    """
+    f = get_format(fmt)
+    r = codes.shape[0]
+    if r * k == 0:
+        return jnp.zeros((r, k), dtype)
+    if codes.dtype != jnp.uint8:
+        codes = lax.bitcast_convert_type(codes, jnp.uint8)
+    c = layout.unpack(codes, f.bits).reshape(r, k // block_size, block_size)
+    if f.family in ("nvfp4", "mx"):
+        if scales.dtype != jnp.uint8:
+            scales = lax.bitcast_convert_type(scales, jnp.uint8)
+        v = _decode_minifloat(c, f.elem)
+        if f.family == "nvfp4":
+            s = _decode_minifloat(scales, E4M3)
+            if tensor_scale is not None:
+                s = _mul_exact(jnp.asarray(tensor_scale, F32)[:, None], s)
+            y = _mul_exact(v, s[..., None])
+        else:
+            sc = scales.astype(I32)[..., None]
+            y = jnp.where(sc == 255, F32(np.nan), _ldexp(v, sc - 127))
+    elif f.family == "codebook":
+        y = _mul_exact(jnp.asarray(f.table)[c.astype(I32)], scales.astype(F32)[..., None])
+    else:
+        q = c.astype(F32) - zeros.astype(F32)[..., None]
+        y = _mul_exact(q, scales.astype(F32)[..., None])
+    return round_f32_to(y.reshape(r, k), dtype)
+
+
+def fake_quantize_2d(x, fmt, block_size, *, tensor_scale=None, rceil=False, scale_dtype=None):
+    """QDQ: dequantize(quantize(x)) in x's dtype, (R, K) -> (R, K)."""
+    codes, scales, zeros = quantize_2d(x, fmt, block_size, tensor_scale=tensor_scale,
+                                       rceil=rceil, scale_dtype=scale_dtype)
+    return dequantize_2d(codes, scales, zeros, fmt, block_size, x.shape[1], x.dtype,
+                         tensor_scale=tensor_scale)
