@@ -1,0 +1,402 @@
+"""The functional public API (DESIGN.md section 5), on top of :mod:`jax_fp4.primitives`.
+
+Each function validates its arguments (ValueError/TypeError naming the argument, the
+expected and the actual value), moves the blocked axis last, flattens to the canonical
+(rows, K) view, binds a primitive and restores the caller's layout.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from . import layout, primitives, reference
+from .formats import get_format
+from .qarray import SCALE_LAYOUTS, QArray
+
+_FLOAT_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+_ROUNDINGS = ("floor", "rceil")
+
+
+# ------------------------------------------------------------------------ validation
+def _check_float(x, name):
+    if isinstance(x, QArray):
+        raise TypeError(f"{name}: expected a float array, got a QArray ({x!r})")
+    if not hasattr(x, "dtype"):
+        x = jnp.asarray(x)
+    if np.dtype(x.dtype) not in _FLOAT_DTYPES:
+        raise TypeError(f"{name}: expected dtype float32, bfloat16 or float16, got {x.dtype}")
+    return x
+
+
+def _normalize_axis(axis, ndim, name="axis"):
+    if not isinstance(axis, (int, np.integer)) or isinstance(axis, bool):
+        raise TypeError(f"{name}: expected an int, got {type(axis).__name__}")
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"{name}: expected an axis in [{-ndim}, {ndim}) for a rank-{ndim} "
+                         f"array, got {axis}")
+    return int(axis) % ndim
+
+
+def _check_options(f, x_dtype, tensor_scale, scale_layout, scale_rounding, scale_dtype):
+    if scale_layout not in SCALE_LAYOUTS:
+        raise ValueError(f"scale_layout: expected one of {SCALE_LAYOUTS}, got {scale_layout!r}")
+    if scale_rounding not in _ROUNDINGS:
+        raise ValueError(f"scale_rounding: expected one of {_ROUNDINGS}, got {scale_rounding!r}")
+    if scale_rounding == "rceil" and f.family != "mx":
+        raise ValueError(f"scale_rounding: 'rceil' applies to MX formats only, got format "
+                         f"{f.name!r}")
+    if tensor_scale is not None and f.family != "nvfp4":
+        raise ValueError(f"tensor_scale: only nvfp4 has a per-tensor scale, got format "
+                         f"{f.name!r} with tensor_scale={tensor_scale!r}")
+    if scale_dtype is not None:
+        if f.family != "int4":
+            raise ValueError(f"scale_dtype: only int4 scales have a choice of dtype, got "
+                             f"format {f.name!r}")
+        if np.dtype(scale_dtype) not in _FLOAT_DTYPES:
+            raise TypeError(f"scale_dtype: expected float32, bfloat16 or float16, got "
+                            f"{np.dtype(scale_dtype)}")
+        return np.dtype(scale_dtype)
+    return np.dtype(x_dtype) if f.family == "int4" else None
+
+
+def _tensor_scale(tensor_scale, x):
+    """None | "auto" | scalar -> float32 scalar array or None (validated when concrete)."""
+    if tensor_scale is None:
+        return None
+    if isinstance(tensor_scale, str):
+        if tensor_scale != "auto":
+            raise ValueError(f"tensor_scale: expected None, 'auto' or a float32 scalar, got "
+                             f"{tensor_scale!r}")
+        return reference.tensor_scale_from_amax(reference.amax(x))
+    ts = jnp.asarray(tensor_scale)
+    if ts.shape != ():
+        raise ValueError(f"tensor_scale: expected a scalar, got shape {ts.shape}")
+    ts = ts.astype(jnp.float32)
+    try:
+        v = float(ts)
+    except (jax.errors.ConcretizationTypeError, TypeError):
+        return ts  # traced: invalid values give NaN scales (DESIGN.md section 3)
+    if not (math.isfinite(v) and v >= reference.TENSOR_SCALE_MIN):
+        raise ValueError(f"tensor_scale: expected a finite value >= 2**-120, got {v}")
+    return ts
+
+
+# ------------------------------------------------------------------------ canonical view
+def _to_rows(x, axis):
+    """Logical array -> (rows, K) with the blocked axis last, plus the moved shape."""
+    xm = jnp.moveaxis(x, axis, -1)
+    rest = xm.shape[:-1]
+    return xm.reshape(math.prod(rest), xm.shape[-1]), rest
+
+
+def _from_rows(y, rest, axis):
+    return jnp.moveaxis(y.reshape(rest + (y.shape[-1],)), -1, axis)
+
+
+def _row_ts(ts, rows):
+    return jnp.zeros((rows,), jnp.float32) if ts is None else jnp.broadcast_to(ts, (rows,))
+
+
+def _quant_params(f, block_size, scale_rounding, ts, scale_dtype):
+    return dict(fmt=f.name, block_size=block_size, rceil=scale_rounding == "rceil",
+                two_level=ts is not None, scale_dtype=scale_dtype,
+                impl=primitives.get_backend())
+
+
+def _prepare(x, format, axis, block_size, tensor_scale, scale_layout, scale_rounding,
+             scale_dtype):
+    x = _check_float(x, "x")
+    f = get_format(format)
+    if x.ndim == 0:
+        raise ValueError("x: expected an array with at least one axis, got a scalar")
+    axis = _normalize_axis(axis, x.ndim)
+    bs = f.default_block if block_size is None else block_size
+    if not isinstance(bs, (int, np.integer)) or isinstance(bs, bool):
+        raise TypeError(f"block_size: expected an int, got {type(bs).__name__}")
+    f.check_block_size(int(bs), x.shape[axis])
+    scale_dtype = _check_options(f, x.dtype, tensor_scale, scale_layout, scale_rounding,
+                                 scale_dtype)
+    ts = _tensor_scale(tensor_scale, x)
+    x2, rest = _to_rows(x, axis)
+    params = _quant_params(f, int(bs), scale_rounding, ts, scale_dtype)
+    return f, x, axis, x2, rest, ts, params
+
+
+# ------------------------------------------------------------------------ public API
+def quantize(x, format="nvfp4", *, axis=-1, tensor_scale=None, block_size=None,
+             scale_layout="linear", scale_rounding="floor", scale_dtype=None) -> QArray:
+    """Quantize ``x`` into a :class:`QArray` blocked along ``axis``.
+
+    Args:
+      x: float32 / bfloat16 / float16 array of any rank >= 1.
+      format: "nvfp4", "mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8_e4m3", "mxfp8_e5m2",
+        "nf4", "bnb_fp4" or "int4" (DESIGN.md section 3).
+      axis: the blocked axis (the contraction axis of a weight); its length must be a
+        multiple of the block size.
+      tensor_scale: nvfp4 only. None: one level (E4M3 block scales only); "auto": the
+        per-tensor decode scale amax(x)/2688 computed inside the op; or a float32 scalar
+        (finite, >= 2**-120; a traced invalid value yields NaN scales).
+      block_size: elements per block/group; default 16 (nvfp4), 32 (MX), 64 (nf4,
+        bnb_fp4: powers of two 32..4096), 128 (int4: any size dividing the axis).
+      scale_layout: "linear" (scales shaped like x with the blocked axis divided by the
+        block size, blocked axis last) or "swizzled" (the 128x4 tiled layout of cuBLASLt /
+        CUTLASS / Blackwell tensor cores, 2-D, rows = product of the other axes).
+      scale_rounding: MX only: "floor" (OCP MX v1.0) or "rceil" (NVIDIA hardware rule).
+      scale_dtype: int4 only: dtype of the group scales (default x.dtype).
+    Returns:
+      QArray with ``dtype = x.dtype``.
+    Raises:
+      TypeError: x is not a float32/bfloat16/float16 array; bad argument types.
+      ValueError: unknown format, axis out of range, axis length not a multiple of the
+        block size, block size not allowed for the format, options that do not apply to
+        the format, non-scalar or invalid concrete tensor_scale.
+    """
+    f, x, axis, x2, rest, ts, params = _prepare(x, format, axis, block_size, tensor_scale,
+                                                scale_layout, scale_rounding, scale_dtype)
+    rows, k = x2.shape
+    codes, scales, zeros = primitives.quantize_p.bind(x2, _row_ts(ts, rows), **params)
+    data = codes.reshape(rest + (codes.shape[-1],))
+    if f.bits == 8:
+        data = lax.bitcast_convert_type(data, f.elem.np_dtype)
+    if f.family in ("nvfp4", "mx"):
+        scales = lax.bitcast_convert_type(scales, f.scale_dtype)
+    if scale_layout == "swizzled":
+        scales = layout.to_blocked(scales).reshape(layout.swizzled_shape(*scales.shape))
+    else:
+        scales = scales.reshape(rest + (scales.shape[-1],))
+    return QArray(data, scales, ts, zeros.reshape(rest + (zeros.shape[-1],))
+                  if f.family == "int4" else None, format=f.name, axis=axis, shape=x.shape,
+                  dtype=x.dtype, block_size=params["block_size"], scale_layout=scale_layout)
+
+
+def _check_qarray(q, name):
+    if not isinstance(q, QArray):
+        raise TypeError(f"{name}: expected a QArray, got {type(q).__name__}")
+
+
+def _qarray_rows(q: QArray):
+    """QArray -> canonical buffers (codes, scales, zeros, ts rows) + (rest, K)."""
+    f = q.fmt
+    data = q.data
+    if data.dtype != jnp.uint8:
+        data = lax.bitcast_convert_type(data, jnp.uint8)
+    rest = tuple(data.shape[:-1])
+    rows = math.prod(rest)
+    k = q.shape[q.axis]
+    nb = k // q.block_size
+    codes = data.reshape(rows, data.shape[-1])
+    scales = q.scales
+    if q.scale_layout == "swizzled":
+        if q._dropped:
+            raise ValueError("q: swizzled scales cannot be vmapped/scanned; use "
+                             "scale_layout='linear' for stacked QArrays")
+        scales = layout.from_blocked(scales, (rows, nb))
+    else:
+        scales = scales.reshape(rows, nb)
+    if f.family in ("nvfp4", "mx"):
+        scales = lax.bitcast_convert_type(scales, jnp.uint8)
+    zeros = (q.zeros.reshape(rows, nb) if f.family == "int4"
+             else jnp.zeros((0,), jnp.uint8))
+    ts = q.tensor_scale
+    ts_rows = _row_ts(None if ts is None else jnp.asarray(ts, jnp.float32), rows)
+    return (codes, scales, zeros, ts_rows), rest, k
+
+
+def dequantize(q: QArray, dtype=None):
+    """Decode a :class:`QArray` to a dense array.
+
+    Args:
+      q: the QArray.
+      dtype: float32, bfloat16 or float16 (default ``q.dtype``). Values are computed in
+        float32 and rounded to nearest even.
+    Returns:
+      array of shape ``q.shape``.
+    Raises:
+      TypeError: q is not a QArray, or an unsupported dtype.
+    """
+    _check_qarray(q, "q")
+    dtype = np.dtype(q.dtype if dtype is None else dtype)
+    if dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"dtype: expected float32, bfloat16 or float16, got {dtype}")
+    bufs, rest, k = _qarray_rows(q)
+    y = primitives.dequantize_p.bind(
+        *bufs, fmt=q.format, block_size=q.block_size, k=k, dtype=dtype,
+        two_level=q.tensor_scale is not None, impl=primitives.get_backend())
+    return _from_rows(y, rest, q.axis)
+
+
+def fake_quantize(x, format="nvfp4", *, axis=-1, tensor_scale=None, block_size=None,
+                  scale_rounding="floor", scale_dtype=None):
+    """Quantize-dequantize (QDQ) in one pass: ``dequantize(quantize(x, ...), x.dtype)``.
+
+    Same arguments and errors as :func:`quantize` (no scale layout: nothing is stored).
+    Gradient: straight-through estimator — the incoming gradient passes where x is finite
+    and inside its block's representable range (|x| <= max element * block scale, which
+    only cuts saturated elements of MX/NVFP4 blocks), and is zero elsewhere.
+
+    Returns:
+      array with x's shape and dtype.
+    """
+    f, x, axis, x2, rest, ts, params = _prepare(x, format, axis, block_size, tensor_scale,
+                                                "linear", scale_rounding, scale_dtype)
+    y = primitives.fake_quantize_p.bind(x2, _row_ts(ts, x2.shape[0]), **params)
+    return _from_rows(y, rest, axis)
+
+
+def tensor_scale_from_amax(amax, format="nvfp4"):
+    """Per-tensor decode scale for NVFP4: amax / 2688 (E4M3 max 448 * E2M1 max 6).
+
+    torchao ``per_tensor_amax_to_scale``, ModelOpt ``weight_scale_2``; amax == 0 gives 1.0
+    and the result is floored at 2**-120. compressed-tensors / vLLM store the inverse.
+
+    Args:
+      amax: float scalar or array (non-negative).
+      format: only "nvfp4" has a per-tensor scale.
+    Returns:
+      float32 array shaped like amax.
+    Raises:
+      ValueError: a format other than nvfp4.
+    """
+    f = get_format(format)
+    if f.family != "nvfp4":
+        raise ValueError(f"format: only nvfp4 has a per-tensor scale, got {f.name!r}")
+    return reference.tensor_scale_from_amax(amax)
+
+
+# ------------------------------------------------------------------------ matmul
+def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+    """Drop-in for ``lax.dot_general`` where either operand may be a :class:`QArray`.
+
+    A QArray operand must be contracted along its blocked axis (the axis it was quantized
+    along); it is decoded to the other operand's dtype (W4A16) — through the fused
+    weight-only matmul primitive when the QArray is a 2-D weight with no batch dims.
+    Usable as Flax ``nn.Dense(dot_general=jax_fp4.dot_general)``.
+
+    Args:
+      lhs, rhs: arrays or QArrays (not both QArrays: use :func:`scaled_matmul`).
+      dimension_numbers, precision, preferred_element_type: as ``lax.dot_general``.
+    Returns:
+      as ``lax.dot_general`` on the dequantized operands; dtype
+      ``preferred_element_type`` or the promoted dtype of the operands.
+    Raises:
+      TypeError: both operands are QArrays.
+      ValueError: a QArray's blocked axis is not one of its contracting dimensions.
+    """
+    (lc, rc), (lb, rb) = dimension_numbers
+    lq, rq = isinstance(lhs, QArray), isinstance(rhs, QArray)
+    if lq and rq:
+        raise TypeError("lhs, rhs: both are QArrays; use jax_fp4.scaled_matmul for W4A4/W8A8")
+    if not (lq or rq):
+        return lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type)
+    q, other, qc, name = (rhs, lhs, rc, "rhs") if rq else (lhs, rhs, lc, "lhs")
+    qc = tuple(int(d) % q.ndim for d in qc)
+    if q.axis not in qc:
+        raise ValueError(f"{name}: a QArray must be contracted along its blocked axis "
+                         f"{q.axis}, but the contracting dimensions are {qc}")
+    other = jnp.asarray(other)
+    out_dtype = np.dtype(preferred_element_type or jnp.result_type(other.dtype, q.dtype))
+    if rq and q.ndim == 2 and not lb and not rb and len(rc) == 1 and other.ndim >= 1:
+        return _weight_matmul(other, q, int(lc[0]) % other.ndim, precision, out_dtype)
+    w = dequantize(q, other.dtype if other.dtype in _FLOAT_DTYPES else q.dtype)
+    args = (other, w) if rq else (w, other)
+    return lax.dot_general(*args, dimension_numbers, precision, preferred_element_type)
+
+
+def _weight_matmul(x, w: QArray, x_axis, precision, out_dtype):
+    """x (..., K at x_axis, ...) contracted with a 2-D QArray weight along its blocked axis.
+
+    Output follows lax.dot_general: x's free dims, then w's free dim (N)."""
+    if np.dtype(x.dtype) not in _FLOAT_DTYPES:
+        x = x.astype(w.dtype)
+    x2, rest = _to_rows(x, x_axis)
+    bufs, _, k = _qarray_rows(w)
+    if x2.shape[1] != k:
+        raise ValueError(f"lhs: contracting dimension has size {x2.shape[1]}, the QArray's "
+                         f"blocked axis has size {k}")
+    y = primitives.wmatmul_p.bind(
+        x2, *bufs, fmt=w.format, block_size=w.block_size, two_level=w.tensor_scale is not None,
+        out_dtype=out_dtype, precision=precision, impl=primitives.get_backend())
+    return y.reshape(rest + (y.shape[-1],))
+
+
+def matmul(x, w: QArray):
+    """``x (..., K) @ w (K, N)`` with a QArray weight blocked along K (axis 0).
+
+    Returns:
+      (..., N) array in the promoted dtype of x and ``w.dtype``.
+    Raises:
+      TypeError: w is not a QArray.
+      ValueError: w is not 2-D or not blocked along axis 0; K mismatch.
+    """
+    _check_qarray(w, "w")
+    if w.ndim != 2 or w.axis != 0:
+        raise ValueError(f"w: expected a 2-D (K, N) QArray blocked along axis 0, got shape "
+                         f"{w.shape} blocked along axis {w.axis}")
+    x = jnp.asarray(x)
+    return dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())))
+
+
+_SCALED_FAMILIES = ("nvfp4", "mx")
+
+
+def scaled_matmul(a: QArray, b: QArray, *, alpha=None, bias=None, out_dtype=jnp.bfloat16):
+    """Block-scaled matmul ``D = alpha * A @ B^T + bias`` (W4A4 / W8A8).
+
+    Args:
+      a: (M, K) QArray blocked along K (axis 1): nvfp4 or an MX format.
+      b: (N, K) QArray blocked along K (axis 1): the same format as ``a`` for nvfp4; any
+        MX format when ``a`` is MX (e.g. mxfp6 x mxfp8), as cuBLASLt block scaling allows.
+      alpha: float32 scalar (default 1).
+      bias: (N,) array added per output column (default none).
+      out_dtype: result dtype (float32, bfloat16 or float16).
+    Returns:
+      (M, N) array of out_dtype; the reference decodes both operands exactly to float32
+      and accumulates in float32.
+    Raises:
+      TypeError: a or b is not a QArray.
+      ValueError: not 2-D / not blocked along K, K mismatch, a format without E4M3/E8M0
+        block scales (nf4, bnb_fp4, int4), mismatched formats, bad alpha/bias shape.
+    """
+    _check_qarray(a, "a")
+    _check_qarray(b, "b")
+    for name, q in (("a", a), ("b", b)):
+        if q.ndim != 2 or q.axis != 1:
+            raise ValueError(f"{name}: expected a 2-D QArray blocked along axis 1 (K), got "
+                             f"shape {q.shape} blocked along axis {q.axis}")
+        if q.fmt.family not in _SCALED_FAMILIES:
+            raise ValueError(f"{name}: scaled_matmul takes nvfp4 or MX formats, got "
+                             f"{q.format!r}")
+        if q.block_size != q.fmt.default_block:
+            raise ValueError(f"{name}: expected block_size {q.fmt.default_block}, got "
+                             f"{q.block_size}")
+    if a.fmt.family != b.fmt.family:
+        raise ValueError(f"b: mismatched formats: a is {a.format!r}, b is {b.format!r} "
+                         "(nvfp4 pairs with nvfp4, MX with MX)")
+    if a.shape[1] != b.shape[1]:
+        raise ValueError(f"b: K mismatch: a has K={a.shape[1]}, b has K={b.shape[1]}")
+    n = b.shape[0]
+    alpha = jnp.float32(1.0) if alpha is None else jnp.asarray(alpha, jnp.float32)
+    if alpha.shape != ():
+        raise ValueError(f"alpha: expected a scalar, got shape {alpha.shape}")
+    bias = jnp.zeros((n,), jnp.float32) if bias is None else jnp.asarray(bias)
+    if bias.shape != (n,):
+        raise ValueError(f"bias: expected shape ({n},), got {bias.shape}")
+    out_dtype = np.dtype(out_dtype)
+    if out_dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"out_dtype: expected float32, bfloat16 or float16, got {out_dtype}")
+    (ac, asc, _, ats), _, k = _qarray_rows(a)
+    (bc, bsc, _, bts), _, _ = _qarray_rows(b)
+    # one-level NVFP4 decodes as two-level with a tensor scale of exactly 1
+    ats = ats if a.tensor_scale is not None else jnp.ones_like(ats)
+    bts = bts if b.tensor_scale is not None else jnp.ones_like(bts)
+    return primitives.scaled_matmul_p.bind(
+        ac, asc, ats, bc, bsc, bts, alpha, bias.astype(jnp.float32), a_fmt=a.format,
+        b_fmt=b.format, k=k, out_dtype=out_dtype, impl=primitives.get_backend())
+
+
+to_blocked = layout.to_blocked
+from_blocked = layout.from_blocked

@@ -1,0 +1,383 @@
+"""JAX primitives for jax-fp4: abstract eval, batching, autodiff and per-platform lowering.
+
+Every primitive works on the canonical 2-D view (csrc/README.md): rows x K with the
+blocked axis last; :mod:`jax_fp4.ops` moves axes and reshapes around them.
+
+Lowering (DESIGN.md section 6): on CPU our C++ FFI targets, on CUDA our CUDA targets where
+the extension has one for the op, everywhere else (and whenever the backend is
+"reference") ``mlir.lower_fun`` of :mod:`jax_fp4.reference`. The backend choice is a
+primitive parameter, so ``jit`` caches a separate executable per backend.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+from . import _ext, reference
+from .formats import get_format
+
+BACKENDS = ("auto", "reference", "kernels")
+_backend = [None]
+
+
+def set_backend(name: str) -> None:
+    """Choose how primitives lower: "auto" (kernels where this install has them, else the
+    reference), "reference" (pure jnp everywhere) or "kernels" (our FFI kernels; lowering
+    raises RuntimeError on a platform without them). Default: $JAX_FP4_BACKEND or "auto".
+    Affects functions traced after the call.
+
+    Raises:
+      ValueError: unknown name.
+    """
+    if name not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {name!r}")
+    _backend[0] = name
+
+
+def get_backend() -> str:
+    """The current backend name (see :func:`set_backend`)."""
+    if _backend[0] is None:
+        env = os.environ.get("JAX_FP4_BACKEND", "auto")
+        if env not in BACKENDS:
+            raise ValueError(f"JAX_FP4_BACKEND: expected one of {BACKENDS}, got {env!r}")
+        _backend[0] = env
+    return _backend[0]
+
+
+# ------------------------------------------------------------------------ helpers
+def _at_front(x, d, size):
+    """Move batch dim ``d`` of ``x`` to the front, or broadcast an unbatched ``x``."""
+    if d is None:
+        return jnp.broadcast_to(x, (size,) + x.shape)
+    return jnp.moveaxis(x, d, 0)
+
+
+def _fold(x):
+    """(B, R, ...) -> (B*R, ...)."""
+    return x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
+
+
+def _unfold(x, b):
+    return x.reshape((b, x.shape[0] // b) + x.shape[1:]) if x.shape[0] else x.reshape(
+        (b, 0) + x.shape[1:])
+
+
+def _scale_dtype(f, scale_dtype):
+    if f.family == "int4":
+        return np.dtype(scale_dtype)
+    return np.dtype(np.float32) if f.family == "codebook" else np.dtype(np.uint8)
+
+
+def _attrs(fmt, block_size, **flags):
+    attrs = dict(fmt=np.int32(get_format(fmt).fid), block_size=np.int64(block_size))
+    attrs.update({k: np.int32(bool(v)) for k, v in flags.items()})
+    return attrs
+
+
+def _def_impl(prim):
+    """Eager evaluation: run the primitive through a jitted call (cached per params)."""
+
+    @functools.lru_cache(maxsize=256)
+    def compiled(params):
+        return jax.jit(lambda *args: prim.bind(*args, **dict(params)))
+
+    prim.def_impl(lambda *args, **params: compiled(tuple(sorted(params.items())))(*args))
+
+
+def _has_target(target, platform):
+    platforms = _ext.registered_targets().get(target, ())
+    return platform.lower() in {p.lower() for p in platforms}
+
+
+def _register_lowerings(prim, target, reference_impl, kernel_impl=None, ffi_attrs=None,
+                        multiple_results=False):
+    """Lower ``prim`` per platform.
+
+    target: FFI target name for a direct custom call (None: no direct kernel).
+    reference_impl: pure-jnp implementation (any platform).
+    kernel_impl: composite built from other primitives (used instead of ``target``).
+    ffi_attrs: params -> FFI attribute dict.
+    """
+    ref_rule = mlir.lower_fun(reference_impl, multiple_results=multiple_results)
+    mlir.register_lowering(prim, ref_rule)
+
+    for platform in ("cpu", "cuda"):
+        def rule(ctx, *args, _platform=platform, **params):
+            impl = params["impl"]
+            if impl == "reference":
+                return ref_rule(ctx, *args, **params)
+            if kernel_impl is not None:
+                available = _ext.has_kernels(_platform)
+            else:
+                available = _has_target(target, _platform)
+            if not available:
+                if impl == "kernels":
+                    raise RuntimeError(
+                        f"JAX_FP4_BACKEND=kernels, but this jax-fp4 install has no "
+                        f"{_platform} kernel for {prim.name} "
+                        f"({_ext.load_error() or 'not built for this platform'})")
+                return ref_rule(ctx, *args, **params)
+            if kernel_impl is not None:
+                return mlir.lower_fun(kernel_impl, multiple_results=multiple_results)(
+                    ctx, *args, **params)
+            return jax.ffi.ffi_lowering(target)(ctx, *args, **ffi_attrs(**params))
+
+        mlir.register_lowering(prim, rule, platform=platform)
+
+
+# ------------------------------------------------------------------------ quantize
+quantize_p = Primitive("jax_fp4_quantize")
+quantize_p.multiple_results = True
+
+
+def _quantize_abstract(x, ts, *, fmt, block_size, rceil, two_level, scale_dtype, impl):
+    f = get_format(fmt)
+    r, k = x.shape
+    nb = k // block_size
+    codes = jax.core.ShapedArray((r, k * f.bits // 8), np.uint8)
+    scales = jax.core.ShapedArray((r, nb), _scale_dtype(f, scale_dtype))
+    zeros = jax.core.ShapedArray((r, nb) if f.family == "int4" else (0,), np.uint8)
+    return codes, scales, zeros
+
+
+def _quantize_ref(x, ts, *, fmt, block_size, rceil, two_level, scale_dtype, impl):
+    return reference.quantize_2d(x, fmt, block_size, tensor_scale=ts if two_level else None,
+                                 rceil=rceil, scale_dtype=scale_dtype)
+
+
+def _quantize_batch(args, dims, **params):
+    x, ts = args
+    b = x.shape[dims[0]] if dims[0] is not None else ts.shape[dims[1]]
+    x, ts = _at_front(x, dims[0], b), _at_front(ts, dims[1], b)
+    outs = quantize_p.bind(_fold(x), _fold(ts), **params)
+    return [_unfold(o, b) for o in outs], [0, 0, 0]
+
+
+def _quantize_ffi_attrs(*, fmt, block_size, rceil, two_level, **_):
+    return _attrs(fmt, block_size, rceil=rceil, two_level=two_level)
+
+
+_def_impl(quantize_p)
+quantize_p.def_abstract_eval(_quantize_abstract)
+batching.primitive_batchers[quantize_p] = _quantize_batch
+_register_lowerings(quantize_p, "jax_fp4_quantize_v1", _quantize_ref,
+                    ffi_attrs=_quantize_ffi_attrs, multiple_results=True)
+
+
+# ------------------------------------------------------------------------ dequantize
+dequantize_p = Primitive("jax_fp4_dequantize")
+
+
+def _dequantize_abstract(codes, scales, zeros, ts, *, fmt, block_size, k, dtype, two_level,
+                         impl):
+    return jax.core.ShapedArray((codes.shape[0], k), np.dtype(dtype))
+
+
+def _dequantize_ref(codes, scales, zeros, ts, *, fmt, block_size, k, dtype, two_level, impl):
+    return reference.dequantize_2d(codes, scales, zeros, fmt, block_size, k, dtype,
+                                   tensor_scale=ts if two_level else None)
+
+
+def _dequantize_batch(args, dims, **params):
+    b = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    f = get_format(params["fmt"])
+    folded = []
+    for i, (a, d) in enumerate(zip(args, dims)):
+        if i == 2 and f.family != "int4":  # the empty zeros buffer stays (0,)
+            folded.append(a if d is None else jnp.zeros((0,), jnp.uint8))
+        else:
+            folded.append(_fold(_at_front(a, d, b)))
+    return _unfold(dequantize_p.bind(*folded, **params), b), 0
+
+
+def _dequantize_jvp(primals, tangents, **params):
+    """Dequantize is linear in float scales (nf4/bnb_fp4 absmax, int4 scales) and in the
+    NVFP4 tensor scale; codes and zero points are integers (no tangent)."""
+    codes, scales, zeros, ts = primals
+    _, dscales, _, dts = tangents
+    y = dequantize_p.bind(*primals, **params)
+    f = get_format(params["fmt"])
+    r, k, bs = codes.shape[0], params["k"], params["block_size"]
+    unit_params = dict(params, dtype=np.dtype(np.float32))
+    dy = jnp.zeros((r, k), jnp.float32)
+    if f.family in ("codebook", "int4") and type(dscales) is not ad.Zero:
+        unit = dequantize_p.bind(codes, jnp.ones_like(scales), zeros, ts, **unit_params)
+        ds = dscales.astype(jnp.float32)[..., None]
+        dy = dy + (unit.reshape(r, k // bs, bs) * ds).reshape(r, k)
+    if f.family == "nvfp4" and params["two_level"] and type(dts) is not ad.Zero:
+        unit = dequantize_p.bind(codes, scales, zeros, jnp.ones_like(ts), **unit_params)
+        dy = dy + unit * dts.astype(jnp.float32)[:, None]
+    return y, dy.astype(y.dtype)
+
+
+def _dequantize_ffi_attrs(*, fmt, block_size, two_level, **_):
+    return _attrs(fmt, block_size, two_level=two_level)
+
+
+_def_impl(dequantize_p)
+dequantize_p.def_abstract_eval(_dequantize_abstract)
+batching.primitive_batchers[dequantize_p] = _dequantize_batch
+ad.primitive_jvps[dequantize_p] = _dequantize_jvp
+_register_lowerings(dequantize_p, "jax_fp4_dequantize_v1", _dequantize_ref,
+                    ffi_attrs=_dequantize_ffi_attrs)
+
+
+# ------------------------------------------------------------------------ fake quantize
+fake_quantize_p = Primitive("jax_fp4_fake_quantize")
+
+
+def _fake_quantize_ref(x, ts, *, fmt, block_size, rceil, two_level, scale_dtype, impl):
+    return reference.fake_quantize_2d(x, fmt, block_size, rceil=rceil, scale_dtype=scale_dtype,
+                                      tensor_scale=ts if two_level else None)
+
+
+def _fake_quantize_batch(args, dims, **params):
+    x, ts = args
+    b = x.shape[dims[0]] if dims[0] is not None else ts.shape[dims[1]]
+    x, ts = _at_front(x, dims[0], b), _at_front(ts, dims[1], b)
+    return _unfold(fake_quantize_p.bind(_fold(x), _fold(ts), **params), b), 0
+
+
+def ste_mask(x, ts, **params):
+    """Where the straight-through estimator passes the gradient: finite x inside the
+    representable range of its block, |x| <= max_elem * block scale (* tensor scale).
+    Codebook and INT4 blocks cover their own range, so only non-finite x is cut."""
+    f = get_format(params["fmt"])
+    xf = x.astype(jnp.float32)
+    if f.family not in ("nvfp4", "mx"):
+        return jnp.isfinite(xf)
+    _, scales, _ = quantize_p.bind(x, ts, **params)
+    r, k = x.shape
+    bs = params["block_size"]
+    if f.family == "nvfp4":
+        s = lax.bitcast_convert_type(scales, jnp.float8_e4m3fn).astype(jnp.float32)
+        if params["two_level"]:
+            s = s * ts[:, None]
+    else:
+        s = lax.bitcast_convert_type(scales, jnp.float8_e8m0fnu).astype(jnp.float32)
+    limit = jnp.float32(f.elem.max_value) * s
+    ok = jnp.abs(xf).reshape(r, k // bs, bs) <= limit[..., None]
+    return ok.reshape(r, k)
+
+
+def _fake_quantize_jvp(primals, tangents, **params):
+    x, ts = primals
+    dx, _ = tangents
+    y = fake_quantize_p.bind(x, ts, **params)
+    if type(dx) is ad.Zero:
+        return y, ad.Zero.from_primal_value(y)
+    return y, jnp.where(ste_mask(x, ts, **params), dx, jnp.zeros_like(dx))
+
+
+_def_impl(fake_quantize_p)
+fake_quantize_p.def_abstract_eval(lambda x, ts, **_: jax.core.ShapedArray(x.shape, x.dtype))
+batching.primitive_batchers[fake_quantize_p] = _fake_quantize_batch
+ad.primitive_jvps[fake_quantize_p] = _fake_quantize_jvp
+_register_lowerings(fake_quantize_p, "jax_fp4_fake_quantize_v1", _fake_quantize_ref,
+                    ffi_attrs=_quantize_ffi_attrs)
+
+
+# ------------------------------------------------------------------------ W4A16 matmul
+wmatmul_p = Primitive("jax_fp4_weight_matmul")
+
+
+def _wmatmul_abstract(x, codes, scales, zeros, ts, *, out_dtype, **_):
+    return jax.core.ShapedArray((x.shape[0], codes.shape[0]), np.dtype(out_dtype))
+
+
+def _wmatmul_compose(dequantize, x, codes, scales, zeros, ts, *, fmt, block_size, two_level,
+                     out_dtype, precision, impl):
+    """y (M, N) = x (M, K) @ W(N, K)^T: W decoded in float32, rounded to x.dtype (the
+    compute dtype of a W4A16 kernel), products accumulated in float32."""
+    w = dequantize(codes, scales, zeros, ts, fmt=fmt, block_size=block_size, k=x.shape[1],
+                   dtype=x.dtype, two_level=two_level, impl=impl)
+    y = lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=precision,
+                        preferred_element_type=jnp.float32)
+    return y.astype(out_dtype)
+
+
+_wmatmul_ref = functools.partial(_wmatmul_compose, _dequantize_ref)
+_wmatmul_kernels = functools.partial(_wmatmul_compose, dequantize_p.bind)
+
+
+def _wmatmul_batch(args, dims, **params):
+    if all(d is None for d in dims[1:]):  # only activations batched: fold into M
+        b = args[0].shape[dims[0]]
+        x = _fold(_at_front(args[0], dims[0], b))
+        return _unfold(wmatmul_p.bind(x, *args[1:], **params), b), 0
+    fn = functools.partial(_wmatmul_kernels, **params)
+    return jax.vmap(fn, in_axes=dims)(*args), 0
+
+
+def _wmatmul_transpose(ct, x, codes, scales, zeros, ts, **params):
+    """Linear in x: x_bar = y_bar @ W (through the dequantized weight)."""
+    if not ad.is_undefined_primal(x) or any(ad.is_undefined_primal(a)
+                                            for a in (codes, scales, zeros, ts)):
+        raise NotImplementedError("jax_fp4 matmul differentiates w.r.t. the activations only")
+    if type(ct) is ad.Zero:
+        return [None] * 5
+    w = dequantize_p.bind(codes, scales, zeros, ts, fmt=params["fmt"],
+                          block_size=params["block_size"], k=x.aval.shape[1],
+                          dtype=x.aval.dtype, two_level=params["two_level"],
+                          impl=params["impl"])
+    ctx = lax.dot_general(ct.astype(x.aval.dtype), w, (((1,), (0,)), ((), ())),
+                          precision=params["precision"], preferred_element_type=jnp.float32)
+    return [ctx.astype(x.aval.dtype), None, None, None, None]
+
+
+_def_impl(wmatmul_p)
+wmatmul_p.def_abstract_eval(_wmatmul_abstract)
+batching.primitive_batchers[wmatmul_p] = _wmatmul_batch
+ad.defjvp(wmatmul_p, lambda g, x, *w, **p: wmatmul_p.bind(g, *w, **p), None, None, None, None)
+ad.primitive_transposes[wmatmul_p] = _wmatmul_transpose
+_register_lowerings(wmatmul_p, None, _wmatmul_ref, kernel_impl=_wmatmul_kernels)
+
+
+# ------------------------------------------------------------------------ block-scaled matmul
+scaled_matmul_p = Primitive("jax_fp4_scaled_matmul")
+
+
+def _scaled_matmul_abstract(a_codes, a_scales, a_ts, b_codes, b_scales, b_ts, alpha, bias, *,
+                            out_dtype, **_):
+    return jax.core.ShapedArray((a_codes.shape[0], b_codes.shape[0]), np.dtype(out_dtype))
+
+
+def _scaled_matmul_compose(dequantize, a_codes, a_scales, a_ts, b_codes, b_scales, b_ts,
+                           alpha, bias, *, a_fmt, b_fmt, k, out_dtype, impl):
+    """D (M, N) = alpha * A (M, K) @ B (N, K)^T + bias: both operands decoded exactly to
+    float32, float32 accumulation (precision HIGHEST), then alpha, bias, cast."""
+    empty = jnp.zeros((0,), jnp.uint8)
+
+    def dq(codes, scales, ts, fmt):
+        f = get_format(fmt)
+        return dequantize(codes, scales, empty, ts, fmt=fmt, block_size=f.default_block, k=k,
+                          dtype=np.dtype(np.float32), two_level=f.family == "nvfp4", impl=impl)
+
+    a = dq(a_codes, a_scales, a_ts, a_fmt)
+    b = dq(b_codes, b_scales, b_ts, b_fmt)
+    d = lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
+                        preferred_element_type=jnp.float32)
+    return (d * alpha + bias[None, :]).astype(out_dtype)
+
+
+_scaled_matmul_ref = functools.partial(_scaled_matmul_compose, _dequantize_ref)
+_scaled_matmul_kernels = functools.partial(_scaled_matmul_compose, dequantize_p.bind)
+
+
+def _scaled_matmul_batch(args, dims, **params):
+    fn = functools.partial(_scaled_matmul_kernels, **params)
+    return jax.vmap(fn, in_axes=dims)(*args), 0
+
+
+_def_impl(scaled_matmul_p)
+scaled_matmul_p.def_abstract_eval(_scaled_matmul_abstract)
+batching.primitive_batchers[scaled_matmul_p] = _scaled_matmul_batch
+_register_lowerings(scaled_matmul_p, None, _scaled_matmul_ref,
+                    kernel_impl=_scaled_matmul_kernels)

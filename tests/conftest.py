@@ -1,0 +1,39 @@
+import os
+
+import jax
+import numpy as np
+import pytest
+
+
+@pytest.fixture
+def rng(request):
+    """A numpy Generator seeded freshly each run; the seed is shown when a test fails."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    request.node.user_properties.append(("seed", seed))
+    return np.random.default_rng(seed)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    if rep.failed:
+        seeds = [v for k, v in item.user_properties if k == "seed"]
+        if seeds:
+            rep.sections.append(("random seed", f"seed={seeds[0]} (np.random.default_rng)"))
+
+
+def has_gpu() -> bool:
+    try:
+        return any(d.platform == "gpu" for d in jax.devices())
+    except RuntimeError:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if has_gpu():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (jax.devices() has none)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
