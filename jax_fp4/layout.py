@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 import jax.numpy as jnp
+from jax import lax
 
 
 def pack(codes, bits: int):
@@ -86,7 +87,11 @@ def to_blocked(scales):
         raise ValueError(f"scales: expected a 2-D (rows, cols) array, got shape {scales.shape}")
     rows, cols = scales.shape
     nr, nk = math.ceil(rows / 128), math.ceil(cols / 4)
-    s = jnp.pad(scales, ((0, nr * 128 - rows), (0, nk * 4 - cols)))
+    # Pad the raw bytes: float8_e8m0fnu has no 0.0 (jnp.pad's 0 would become NaN 0xFF).
+    bits = jnp.dtype(f"uint{8 * scales.dtype.itemsize}")
+    s = lax.bitcast_convert_type(scales, bits) if scales.dtype != bits else scales
+    s = jnp.pad(s, ((0, nr * 128 - rows), (0, nk * 4 - cols)))
+    s = lax.bitcast_convert_type(s, scales.dtype) if scales.dtype != bits else s
     # (rb, m4, m32, cb, k4) -> (rb, cb, m32, m4, k4)
     s = s.reshape(nr, 4, 32, nk, 4).transpose(0, 3, 2, 1, 4)
     return s.reshape(-1)
