@@ -10,8 +10,9 @@ Exactness on XLA. XLA flushes float32 subnormal operands and results to zero (XL
 FTZ/DAZ), while the spec is exact IEEE-754 binary32 arithmetic. So nothing here lets a
 subnormal reach a floating-point instruction whose result matters: comparisons and
 maxima run on the integer bit patterns, powers of two are applied by exponent arithmetic,
-element rounding is integer round-to-nearest-even, and products that can be subnormal go
-through :func:`_mul_exact`, a small integer emulation of an IEEE float32 multiply.
+element rounding is integer round-to-nearest-even, products that can be subnormal go
+through :func:`_mul_exact`, a small integer emulation of an IEEE float32 multiply, and
+every division through :func:`_div` (XLA:GPU's f32 division is not correctly rounded).
 """
 from __future__ import annotations
 
@@ -158,38 +159,44 @@ def _mul_exact(a, b):
 
 
 def _div(a, b):
-    """IEEE a / b. XLA's algebraic simplifier turns a division by a constant or by a
-    broadcast into a multiplication by the reciprocal (off by an ulp about half the
-    time), so the divisor is materialised at full shape behind an optimization barrier."""
+    """IEEE-754 binary32 a / b, correctly rounded (RNE; subnormal operands and results).
+
+    Neither backend's division can be used as is: XLA:GPU emits ``div.full.f32`` (off by
+    an ulp in about a quarter of the quotients), XLA:CPU flushes subnormals and turns a
+    division by a constant or broadcast into a reciprocal multiply. So the significands
+    are divided by restoring long division (26 quotient bits plus a sticky remainder) and
+    rounded by :func:`_round_to`. Zero, Inf and NaN operands take the plain quotient.
+    """
     a, b = jnp.asarray(a, F32), jnp.asarray(b, F32)
-    shape = jnp.broadcast_shapes(a.shape, b.shape)
-    return a / lax.optimization_barrier(jnp.broadcast_to(b, shape))
+    a, b = jnp.broadcast_arrays(a, b)
+    ba, bb = _bits(a), _bits(b)
+    sa, ea = _decompose(ba & 0x7FFFFFFF)
+    sb, eb = _decompose(bb & 0x7FFFFFFF)
+    sb = jnp.maximum(sb, 1)  # b == 0 takes the plain quotient below
+    q = (sa >= sb).astype(U32)
+    rem = sa - q * sb
 
-
-def _recip_exact(a):
-    """IEEE 1/a for finite a in [1e-38, FLT_MAX] (a subnormal, or 1/a subnormal, included)."""
-    ba = _bits(a)
-    sub_a = ba < 0x00800000
-    a_up = jnp.where(sub_a, _ldexp(a, 64), a)
-    r_a = _div(1.0, a_up)
-    r_plain = jnp.where(sub_a, r_a * F32(2.0 ** 64), r_a)
-    # a > 2**126: 1/a is subnormal; q = RNE(2**149 / a) by restoring long division.
-    sig, e = _decompose(ba)
-    n = 149 - e  # 45 or 46 in this range
-
-    def step(i, carry):
+    def step(_, carry):
         rem, q = carry
-        live = i < n
-        rem2 = rem << 1
-        ge = rem2 >= sig
-        rem = jnp.where(live, jnp.where(ge, rem2 - sig, rem2), rem)
-        q = jnp.where(live, (q << 1) | ge.astype(U32), q)
-        return rem, q
+        rem = rem << 1
+        bit = rem >= sb
+        return rem - jnp.where(bit, sb, 0), (q << 1) | bit.astype(U32)
 
-    rem, q = lax.fori_loop(0, 46, step, (jnp.ones_like(sig), jnp.zeros_like(sig)))
-    up = ((rem << 1) > sig) | (((rem << 1) == sig) & ((q & 1) == 1))
-    r_sub = _float(q + up.astype(U32))
-    return jnp.where(ba > 0x7E800000, r_sub, r_plain)
+    rem, q = lax.fori_loop(0, 25, step, (rem, q))  # q in [2**24, 2**26), rem < sb
+    two = q >= (1 << 25)
+    nx = jnp.where(two, 2, 1).astype(U32)  # quotient bits below the 24 kept
+    hi = q >> nx
+    extra = q & ((jnp.uint32(1) << nx) - 1)
+    lo = (extra << (24 - nx)) | (rem != 0).astype(U32)
+    e = ea - eb - 25 + nx.astype(I32)
+    exact = _float(_round_to((ba ^ bb) >> 31, jnp.where(sa == 0, 0, hi),
+                             jnp.where(sa == 0, 0, lo), e, _F32_FMT))
+    b_zero = (bb & 0x7FFFFFFF) == 0
+    ok = jnp.isfinite(a) & jnp.isfinite(b) & ~b_zero
+    # x / 0 for a nonzero (maybe subnormal) finite x is a signed Inf; 0/0 and NaN stay NaN
+    inf = _float((((ba ^ bb) >> 31) << 31) | 0x7F800000)
+    special = jnp.where(b_zero & jnp.isfinite(a) & (sa != 0), inf, a / b)
+    return jnp.where(ok, exact, special)
 
 
 def round_f32_to(y, dtype):
@@ -378,7 +385,7 @@ def bucketize(scaled, table):
 def _quantize_codebook(xb, amax_b, table):
     absmax = _float(amax_b)
     a = _float(jnp.maximum(amax_b, _bits(jnp.float32(1e-38))))  # integer max: exact
-    recip = _recip_exact(jnp.where(amax_b >= 0x7F800000, F32(1.0), a))
+    recip = _div(1.0, a)
     scaled = _mul_exact(_float(xb), recip[..., None])  # clamp(-1, 1) is implied by bucketize
     return bucketize(scaled, table), absmax
 
@@ -420,7 +427,9 @@ def dequantize_2d(codes, scales, zeros, fmt, block_size, k, dtype, *, tensor_sca
             y = _mul_exact(v, s[..., None])
         else:
             sc = scales.astype(I32)[..., None]
-            y = jnp.where(sc == 255, F32(np.nan), _ldexp(v, sc - 127))
+            # fp8 NaN/Inf element codes stay NaN/Inf (_ldexp assumes a finite value)
+            y = jnp.where(jnp.isfinite(v), _ldexp(jnp.where(jnp.isfinite(v), v, 0), sc - 127), v)
+            y = jnp.where(sc == 255, F32(np.nan), y)
     elif f.family == "codebook":
         y = _mul_exact(jnp.asarray(f.table)[c.astype(I32)], scales.astype(F32)[..., None])
     else:

@@ -51,13 +51,12 @@ def make_input(rng, rows: int, k: int, fmt: str, *, edge=True, nonfinite=True,
 def bits_equal(a, b) -> np.ndarray:
     """Elementwise: identical bits, or both NaN (any payload/sign)."""
     a, b = np.asarray(a), np.asarray(b)
-    if a.dtype.kind == "f" or str(a.dtype) in ("bfloat16",):
-        af, bf = a.astype(np.float32), b.astype(np.float32)
-        both_nan = np.isnan(af) & np.isnan(bf)
-        ua = a.view(np.uint8 if a.dtype.itemsize == 1 else f"u{a.dtype.itemsize}")
-        ub = b.view(np.uint8 if b.dtype.itemsize == 1 else f"u{b.dtype.itemsize}")
-        return (ua == ub) | both_nan
-    return a == b
+    if a.dtype.kind in "iub":
+        return a == b
+    # floats, ml_dtypes included (bfloat16, float8_*): same bits, or NaN on both sides
+    both_nan = np.isnan(a.astype(np.float32)) & np.isnan(b.astype(np.float32))
+    ua, ub = a.view(f"u{a.dtype.itemsize}"), b.view(f"u{b.dtype.itemsize}")
+    return (ua == ub) | both_nan
 
 
 def assert_bits_equal(a, b, msg=""):

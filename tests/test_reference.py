@@ -235,11 +235,16 @@ def test_exact_arithmetic_helpers(rng):
     with np.errstate(all="ignore"):
         want = a * b
     assert_bits_equal(np.asarray(jax.jit(reference._mul_exact)(a, b)), want, "mul")
-    d = np.abs(np.concatenate([a, np.float32([1e-38, 2.0 ** -126, 2.0 ** 126, 3e38])]))
-    d = d[d >= np.float32(1e-38)]
+    d = np.concatenate([a, np.float32([1e-38, 2.0 ** -126, 2.0 ** 126, 3e38, 0.0, -0.0, 1e-45,
+                                       np.inf, np.nan, 3.0, 7.0])])
+    n = np.concatenate([b, np.float32([1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 3.0, 1.0, 2.0, 1.0, 1.0])])
     with np.errstate(all="ignore"):
-        assert_bits_equal(np.asarray(jax.jit(reference._recip_exact)(d)), np.float32(1) / d,
-                          "recip")
+        assert_bits_equal(np.asarray(jax.jit(reference._div)(n, d)), n / d, "div")
+        assert_bits_equal(np.asarray(jax.jit(reference._div)(np.float32(1), d)),
+                          np.float32(1) / d, "recip")
+        c = np.float32(15.0)  # a constant divisor (XLA would use a reciprocal multiply)
+        assert_bits_equal(np.asarray(jax.jit(lambda v: reference._div(v, 15.0))(n)), n / c,
+                          "div by constant")
 
 
 @pytest.mark.parametrize("bits", [4, 6, 8])
