@@ -32,9 +32,24 @@ def capabilities() -> dict:
     }
 
 
+def export_disabled_checks() -> list:
+    """``disabled_checks`` for ``jax.export.export`` of functions that call our kernels.
+
+    jax.export refuses custom calls without a compatibility guarantee; ours carry a
+    versioned, stable name (``jax_fp4_<op>_v1``) whose meaning never changes, so callers
+    opt in with ``jax.export.export(f, disabled_checks=jax_fp4.export_disabled_checks())``.
+    The deserialized artifact needs jax_fp4 imported (to register the targets) to run.
+    """
+    import jax.export
+
+    return [jax.export.DisabledSafetyCheck.custom_call(name)
+            for name in sorted(_ext.registered_targets())]
+
+
 __all__ = [
     "QArray", "Format", "FORMAT_NAMES", "get_format", "quantize", "dequantize",
     "fake_quantize", "tensor_scale_from_amax", "dot_general", "matmul", "scaled_matmul",
     "to_blocked", "from_blocked", "set_backend", "get_backend", "capabilities", "formats",
+    "export_disabled_checks",
     "reference",
 ]

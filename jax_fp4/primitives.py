@@ -96,14 +96,32 @@ def _has_target(target, platform):
     return platform.lower() in {p.lower() for p in platforms}
 
 
+def _kernel_ok(platform, avals, params):
+    """Whether our FFI kernels cover this call (else it lowers to the reference).
+
+    CUDA kernels need block_size = 8 * 2**k <= 4096 (every format's allowed blocks but
+    odd INT4 group sizes); fake-quantize kernels keep INT4 scales in x's dtype."""
+    if "block_size" not in params:
+        return True
+    if platform == "cuda":
+        g, rem = divmod(params["block_size"], 8)
+        if rem or g > 512 or g & (g - 1):
+            return False
+    sd = params.get("scale_dtype")
+    if params.get("scale_dtype_follows_x") and sd is not None and np.dtype(sd) != avals[0].dtype:
+        return False
+    return True
+
+
 def _register_lowerings(prim, target, reference_impl, kernel_impl=None, ffi_attrs=None,
-                        multiple_results=False):
+                        multiple_results=False, fixed_scale_dtype=False):
     """Lower ``prim`` per platform.
 
     target: FFI target name for a direct custom call (None: no direct kernel).
     reference_impl: pure-jnp implementation (any platform).
     kernel_impl: composite built from other primitives (used instead of ``target``).
     ffi_attrs: params -> FFI attribute dict.
+    fixed_scale_dtype: the kernel has no scale_dtype attribute (INT4 scales in x.dtype).
     """
     ref_rule = mlir.lower_fun(reference_impl, multiple_results=multiple_results)
     mlir.register_lowering(prim, ref_rule)
@@ -116,12 +134,13 @@ def _register_lowerings(prim, target, reference_impl, kernel_impl=None, ffi_attr
             if kernel_impl is not None:
                 available = _ext.has_kernels(_platform)
             else:
-                available = _has_target(target, _platform)
+                available = _has_target(target, _platform) and _kernel_ok(
+                    _platform, ctx.avals_in, dict(params, scale_dtype_follows_x=fixed_scale_dtype))
             if not available:
                 if impl == "kernels":
                     raise RuntimeError(
                         f"JAX_FP4_BACKEND=kernels, but this jax-fp4 install has no "
-                        f"{_platform} kernel for {prim.name} "
+                        f"{_platform} kernel for {prim.name} with these parameters "
                         f"({_ext.load_error() or 'not built for this platform'})")
                 return ref_rule(ctx, *args, **params)
             if kernel_impl is not None:
@@ -281,7 +300,7 @@ fake_quantize_p.def_abstract_eval(lambda x, ts, **_: jax.core.ShapedArray(x.shap
 batching.primitive_batchers[fake_quantize_p] = _fake_quantize_batch
 ad.primitive_jvps[fake_quantize_p] = _fake_quantize_jvp
 _register_lowerings(fake_quantize_p, "jax_fp4_fake_quantize_v1", _fake_quantize_ref,
-                    ffi_attrs=_quantize_ffi_attrs)
+                    ffi_attrs=_quantize_ffi_attrs, fixed_scale_dtype=True)
 
 
 # ------------------------------------------------------------------------ W4A16 matmul
