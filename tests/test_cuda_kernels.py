@@ -1,0 +1,110 @@
+"""CUDA kernels == reference, bit for bit (runs on a GPU machine; skipped elsewhere).
+
+The oracle is the pure-jnp reference evaluated on the CPU device, so neither XLA:GPU's
+arithmetic nor our CPU kernels stand between the CUDA kernels and the definition.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_fp4 as jf
+from jax_fp4.formats import FORMAT_NAMES, get_format
+
+from edge import assert_bits_equal, make_input
+
+pytestmark = pytest.mark.gpu
+
+CASES = []
+for _fmt in FORMAT_NAMES:
+    _f = get_format(_fmt)
+    if _f.family == "nvfp4":
+        CASES += [(_fmt, 16, {}), (_fmt, 16, {"tensor_scale": "auto"})]
+    elif _f.family == "mx":
+        CASES += [(_fmt, 32, {}), (_fmt, 32, {"scale_rounding": "rceil"})]
+    elif _f.family == "codebook":
+        CASES += [(_fmt, 64, {}), (_fmt, 32, {}), (_fmt, 4096, {})]
+    else:
+        CASES += [(_fmt, 128, {}), (_fmt, 32, {}), (_fmt, 64, {"scale_dtype": jnp.float32})]
+
+
+def _gpu():
+    return jax.devices("gpu")[0]
+
+
+def _cpu():
+    return jax.devices("cpu")[0]
+
+
+def _run(fn, x, backend, device):
+    old = jf.get_backend()
+    jf.set_backend(backend)
+    try:
+        return jax.tree_util.tree_map(np.asarray, jax.jit(fn)(jax.device_put(x, device)))
+    finally:
+        jf.set_backend(old)
+
+
+def _shapes(bs):
+    return [(1, bs), (3, 2 * bs), (129, bs * max(1, 256 // bs)), (257, max(bs, 512))]
+
+
+@pytest.mark.parametrize("fmt,bs,kw", CASES, ids=lambda v: str(v))
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_cuda_matches_reference(fmt, bs, kw, dtype, rng):
+    assert jf.capabilities()["kernels"]["cuda"], jf.capabilities()["load_error"]
+    for shape in _shapes(bs):
+        x = jnp.asarray(make_input(rng, *shape, fmt, block_size=bs)).astype(dtype)
+
+        def q(v):
+            qa = jf.quantize(v, fmt, block_size=bs, **kw)
+            return qa.data, qa.scales, qa.zeros, qa.dequantize(), qa.dequantize(jnp.float32)
+
+        def fq(v):
+            kw2 = {k: v2 for k, v2 in kw.items() if k != "scale_dtype"}
+            return jf.fake_quantize(v, fmt, block_size=bs, **kw2)
+
+        got = _run(q, x, "kernels", _gpu())
+        want = _run(q, x, "reference", _cpu())
+        for name, g, w in zip(("data", "scales", "zeros", "deq", "deq32"), got, want):
+            if w is not None:
+                assert_bits_equal(g, w, f"{fmt} {kw} {dtype.__name__} {shape} {name}")
+        assert_bits_equal(_run(fq, x, "kernels", _gpu()), _run(fq, x, "reference", _cpu()),
+                          f"{fmt} {kw} {dtype.__name__} {shape} fake_quantize")
+
+
+def test_cuda_lowering_uses_our_custom_calls():
+    x = jax.device_put(jnp.ones((4, 64), jnp.bfloat16), _gpu())
+    text = jax.jit(lambda v: jf.fake_quantize(v, "nvfp4")).lower(x).as_text()
+    assert "jax_fp4_fake_quantize_v1" in text
+    text = jax.jit(lambda v: jf.quantize(v, "mxfp4").dequantize()).lower(x).as_text()
+    assert "jax_fp4_quantize_v1" in text and "jax_fp4_dequantize_v1" in text
+
+
+def test_cuda_transforms(rng):
+    x = jax.device_put(jnp.asarray(rng.standard_normal((3, 5, 64)), jnp.float32), _gpu())
+    v = jax.vmap(lambda r: jf.fake_quantize(r, "mxfp4"), in_axes=1)(x)
+    w = jnp.stack([jf.fake_quantize(x[:, i], "mxfp4") for i in range(5)])
+    np.testing.assert_array_equal(np.asarray(v), np.asarray(w))
+    g = jax.grad(lambda r: jnp.sum(jf.fake_quantize(r, "nf4")))(x)
+    np.testing.assert_array_equal(np.asarray(g), np.ones(x.shape, np.float32))
+
+
+def test_cuda_above_2_31_elements():
+    """64-bit indexing: a (2**31 + 2**20)-element tensor, checked at its far end."""
+    rows, k = (1 << 17) + (1 << 6), 1 << 14
+    assert rows * k > 2 ** 31
+    gpu = _gpu()
+    x = jax.jit(lambda key: jax.random.normal(key, (rows, k), jnp.bfloat16),
+                device=gpu)(jax.random.key(3))
+    jf.set_backend("kernels")
+    try:
+        q = jax.jit(lambda v: jf.quantize(v, "nvfp4"))(x)
+        y = jax.jit(lambda qq: qq.dequantize())(q)
+        tail = np.asarray(x[-3:])
+        want = _run(lambda v: jf.quantize(v, "nvfp4").data, tail, "reference", _cpu())
+        np.testing.assert_array_equal(np.asarray(q.data[-3:]), want)
+        want_y = _run(lambda v: jf.quantize(v, "nvfp4").dequantize(), tail, "reference", _cpu())
+        assert_bits_equal(np.asarray(y[-3:]), want_y, "dequantize tail")
+    finally:
+        jf.set_backend("auto")
