@@ -13,6 +13,7 @@
 #include <type_traits>
 
 #include "../codecs.h"
+#include "../cpu/kernels.h"
 #include "../cpu/validate.h"
 #include "../ffi_util.h"
 #include "handlers.h"
@@ -22,7 +23,9 @@ namespace ffi = xla::ffi;
 
 namespace jf4 {
 namespace cuda {
+using cpu::dispatch_fmt;
 using cpu::Problem;
+using cpu::scale_bytes;
 using cpu::validate_problem;
 using cpu::validate_quantized;
 using cpu::validate_ts;
@@ -371,27 +374,15 @@ __global__ void __launch_bounds__(kThreads) fake_quantize_kernel(
 }
 
 // ------------------------------------------------------------------ launch
-int scale_bytes(const Problem& p) {
-  if (p.fmt == kNF4 || p.fmt == kBNB_FP4) return 4;
-  if (p.fmt == kINT4) return p.scale_type == kScaleF32 ? 4 : 2;
-  return 1;
-}
-
-// Calls f(std::integral_constant<int, FMT>) for the runtime format id.
+// Calls f(std::integral_constant<int, FMT>) -> ffi::Error for the runtime format id.
 template <typename F>
 ffi::Error with_fmt(int fmt, F&& f) {
-  switch (fmt) {
-    case kNVFP4: return f(std::integral_constant<int, kNVFP4>{});
-    case kMXFP4: return f(std::integral_constant<int, kMXFP4>{});
-    case kMXFP6_E2M3: return f(std::integral_constant<int, kMXFP6_E2M3>{});
-    case kMXFP6_E3M2: return f(std::integral_constant<int, kMXFP6_E3M2>{});
-    case kMXFP8_E4M3: return f(std::integral_constant<int, kMXFP8_E4M3>{});
-    case kMXFP8_E5M2: return f(std::integral_constant<int, kMXFP8_E5M2>{});
-    case kNF4: return f(std::integral_constant<int, kNF4>{});
-    case kBNB_FP4: return f(std::integral_constant<int, kBNB_FP4>{});
-    case kINT4: return f(std::integral_constant<int, kINT4>{});
-    default: return ffi::Error::InvalidArgument("jax_fp4: unknown fmt");
-  }
+  ffi::Error err = ffi::Error::InvalidArgument("jax_fp4: unknown fmt");
+  dispatch_fmt(fmt, [&](auto fmt_c) {
+    err = f(fmt_c);
+    return true;
+  });
+  return err;
 }
 
 int grid_for(int64_t n_chunks) {
