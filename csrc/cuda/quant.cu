@@ -287,9 +287,13 @@ __device__ uint32_t load_scale(const void* scales, int64_t idx, int sbytes) {
 // Decode one chunk into v (float32).
 template <int FMT>
 __device__ void decode_chunk(const uint32_t* c, uint32_t scale_bits, uint32_t zero, float tsr,
-                             const Params& p, float* v) {
+                             const Params& p, const float* table, float* v) {
   const float f = block_factor<FMT>(scale_bits, p.two_level, tsr, p.st);
-  if constexpr (FMT == kINT4) {
+  if constexpr (is_codebook(FMT)) {
+    // shared-memory copy of the code table: divergent __constant__ reads serialise
+#pragma unroll
+    for (int i = 0; i < kChunk; ++i) v[i] = table[c[i] & 15u] * f;
+  } else if constexpr (FMT == kINT4) {
     const float z = static_cast<float>(zero);
 #pragma unroll
     for (int i = 0; i < kChunk; ++i) v[i] = (static_cast<float>(c[i]) - z) * f;
@@ -301,6 +305,15 @@ __device__ void decode_chunk(const uint32_t* c, uint32_t scale_bits, uint32_t ze
 
 template <int FMT>
 constexpr int kBits = elem_bits(FMT);
+
+// Codebook formats: the 16 code values into shared memory (one barrier per CTA).
+template <int FMT>
+__device__ void load_table(float* table) {
+  if constexpr (is_codebook(FMT)) {
+    if (threadIdx.x < 16) table[threadIdx.x] = elem_value<FMT>(threadIdx.x);
+    __syncthreads();
+  }
+}
 
 // Grid-stride over chunks; every thread of a CTA runs the same number of iterations so
 // the shared-memory reduction's barriers are uniform (threads past the end idle).
@@ -335,6 +348,8 @@ __global__ void __launch_bounds__(kThreads) dequantize_kernel(
     const uint8_t* __restrict__ codes, const void* __restrict__ scales,
     const uint8_t* __restrict__ zeros, const float* __restrict__ ts,
     typename L::storage* __restrict__ y, Params p, int sbytes) {
+  __shared__ float table[16];
+  load_table<FMT>(table);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
   for (int64_t chunk = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
        chunk < p.n_chunks; chunk += stride) {
@@ -345,7 +360,7 @@ __global__ void __launch_bounds__(kThreads) dequantize_kernel(
     const uint32_t z = FMT == kINT4 ? __ldg(zeros + blk) : 0u;
     const float tsr = (FMT == kNVFP4 && p.two_level) ? __ldg(ts + (chunk * kChunk) / p.K) : 0.f;
     float v[kChunk];
-    decode_chunk<FMT>(c, sb, z, tsr, p, v);
+    decode_chunk<FMT>(c, sb, z, tsr, p, table, v);
     L::store(y + chunk * kChunk, v);
   }
 }
@@ -355,6 +370,8 @@ __global__ void __launch_bounds__(kThreads) fake_quantize_kernel(
     const typename L::storage* __restrict__ x, const float* __restrict__ ts,
     typename L::storage* __restrict__ y, Params p) {
   __shared__ uint32_t smem[kThreads / 32];
+  __shared__ float table[16];
+  load_table<FMT>(table);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * kThreads; base < p.n_chunks;
        base += stride) {
@@ -368,7 +385,7 @@ __global__ void __launch_bounds__(kThreads) fake_quantize_kernel(
     if (!live) continue;
     // every thread of the group computed the same scale: decode locally
     const float tsr = (FMT == kNVFP4 && p.two_level) ? ts[(chunk * kChunk) / p.K] : 0.f;
-    decode_chunk<FMT>(c, sb, z, tsr, p, v);
+    decode_chunk<FMT>(c, sb, z, tsr, p, table, v);
     L::store(y + chunk * kChunk, v);
   }
 }
