@@ -7,8 +7,12 @@ import pytest
 
 @pytest.fixture
 def rng(request):
-    """A numpy Generator seeded freshly each run; the seed is shown when a test fails."""
-    seed = int.from_bytes(os.urandom(4), "little")
+    """A numpy Generator seeded freshly each run; the seed is shown when a test fails.
+
+    Replay a failure with ``JAX_FP4_TEST_SEED=<seed> pytest <test id>``.
+    """
+    env = os.environ.get("JAX_FP4_TEST_SEED")
+    seed = int(env) if env else int.from_bytes(os.urandom(4), "little")
     request.node.user_properties.append(("seed", seed))
     return np.random.default_rng(seed)
 

@@ -179,7 +179,10 @@ def test_grad_dequantize_linear_in_scales(rng):
     unit = np.asarray(jf.QArray(q.data, jnp.ones_like(q.scales), None, None, format="nf4",
                                 axis=1, shape=(2, 64), dtype=jnp.float32,
                                 block_size=64).dequantize())
-    np.testing.assert_allclose(np.asarray(g)[:, 0], unit.sum(1), rtol=1e-6)
+    # d/ds sum(code * s) = sum(code); the sum cancels, so bound the error by the
+    # float32 rounding of a 64-term sum of |code| (XLA's reduction order is its own).
+    tol = 64 * np.finfo(np.float32).eps * np.abs(unit).sum(1)
+    assert np.all(np.abs(np.asarray(g)[:, 0] - unit.sum(1)) <= tol)
 
 
 def test_dot_general_variants(rng):
