@@ -2,11 +2,13 @@
 small ragged shapes. Run on a GPU machine:
 
   XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer --tool memcheck \
-      python benchmarks/cuda_sanitize.py
+      python benchmarks/cuda_sanitize.py [quant] [matmul]
 
 (the platform allocator gives every buffer its own cudaMalloc, so out-of-bounds accesses
 are not hidden inside XLA's memory pool).
 """
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,8 +21,9 @@ cases = [("nvfp4", 16, {}), ("nvfp4", 16, {"tensor_scale": "auto"}), ("mxfp4", 3
          ("mxfp6_e2m3", 32, {}), ("mxfp6_e3m2", 32, {"scale_rounding": "rceil"}),
          ("mxfp8_e4m3", 32, {}), ("mxfp8_e5m2", 32, {}), ("nf4", 64, {}), ("nf4", 4096, {}),
          ("bnb_fp4", 1024, {}), ("int4", 128, {}), ("int4", 16, {})]
+parts = sys.argv[1:] or ["quant", "matmul"]
 n = 0
-for fmt, bs, kw in cases:
+for fmt, bs, kw in cases if "quant" in parts else []:
     for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
         for rows in (1, 3, 129):
             x = jnp.asarray(rng.standard_normal((rows, 2 * bs)), dtype)
@@ -30,4 +33,15 @@ for fmt, bs, kw in cases:
                                  **{k: v for k, v in kw.items() if k != "scale_dtype"})
             jax.block_until_ready((q, y, f))
             n += 3
+# fused W4A16: ragged M (one M-chunk and several), K not a multiple of 128, N not of 128
+mm_cases = [("nvfp4", 16, {}), ("nvfp4", 16, {"tensor_scale": "auto"}), ("mxfp4", 32, {}),
+            ("nf4", 64, {}), ("bnb_fp4", 32, {}), ("int4", 32, {}), ("int4", 128, {})]
+for fmt, bs, kw in mm_cases if "matmul" in parts else []:
+    k = 3 * max(bs, 64)
+    q = jf.quantize(jnp.asarray(rng.standard_normal((k, 136)), jnp.float32), fmt, axis=0,
+                    block_size=bs, **kw)
+    for dtype in (jnp.bfloat16, jnp.float16):
+        for m in (1, 13, 100):
+            jax.block_until_ready(jf.matmul(jnp.asarray(rng.standard_normal((m, k)), dtype), q))
+            n += 1
 print(f"cuda_sanitize: {n} kernel launches checked")

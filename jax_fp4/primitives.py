@@ -114,7 +114,7 @@ def _kernel_ok(platform, avals, params):
 
 
 def _register_lowerings(prim, target, reference_impl, kernel_impl=None, ffi_attrs=None,
-                        multiple_results=False, fixed_scale_dtype=False):
+                        multiple_results=False, fixed_scale_dtype=False, cuda_impl=None):
     """Lower ``prim`` per platform.
 
     target: FFI target name for a direct custom call (None: no direct kernel).
@@ -122,6 +122,9 @@ def _register_lowerings(prim, target, reference_impl, kernel_impl=None, ffi_attr
     kernel_impl: composite built from other primitives (used instead of ``target``).
     ffi_attrs: params -> FFI attribute dict.
     fixed_scale_dtype: the kernel has no scale_dtype attribute (INT4 scales in x.dtype).
+    cuda_impl: (target, applies(avals_in, params), impl): on CUDA, when the extension has
+      ``target`` and ``applies`` says so, lower ``impl`` (a composite that calls the
+      target) instead of ``kernel_impl``.
     """
     ref_rule = mlir.lower_fun(reference_impl, multiple_results=multiple_results)
     mlir.register_lowering(prim, ref_rule)
@@ -131,6 +134,10 @@ def _register_lowerings(prim, target, reference_impl, kernel_impl=None, ffi_attr
             impl = params["impl"]
             if impl == "reference":
                 return ref_rule(ctx, *args, **params)
+            if (_platform == "cuda" and cuda_impl is not None
+                    and _has_target(cuda_impl[0], "cuda") and cuda_impl[1](ctx.avals_in, params)):
+                return mlir.lower_fun(cuda_impl[2], multiple_results=multiple_results)(
+                    ctx, *args, **params)
             if kernel_impl is not None:
                 available = _ext.has_kernels(_platform)
             else:
@@ -351,12 +358,53 @@ def _wmatmul_transpose(ct, x, codes, scales, zeros, ts, **params):
     return [ctx.astype(x.aval.dtype), None, None, None, None]
 
 
+# Fused W4A16 CUDA kernel (csrc/cuda/wmatmul.cu). Size rule: M (rows of x) up to
+# FUSED_MAX_M runs the fused kernel, which reads the 4-bit weight once per 64 rows of x;
+# larger M runs the CUDA dequantize kernel + XLA's (cuBLAS) dot, which reads it once.
+FUSED_FORMATS = ("nvfp4", "mxfp4", "nf4", "bnb_fp4", "int4")
+FUSED_MAX_M = 256
+_FUSED_TARGET = "jax_fp4_wmatmul_v1"
+_FUSED_ROWS_PER_CTA, _FUSED_STEP_K, _FUSED_TARGET_CTAS = 128, 128, 4 * 132
+
+
+def wmatmul_splits(m, n, k):
+    """K-splits of the fused kernel: enough CTAs (about 4 per SM of an H100) to fill the
+    GPU when N is small, each split keeping at least 4 super-steps of 128 k."""
+    n_steps = -(-k // _FUSED_STEP_K)
+    ctas = -(-n // _FUSED_ROWS_PER_CTA) * (1 if m <= 64 else -(-m // 64))
+    return max(1, min(-(-_FUSED_TARGET_CTAS // ctas), n_steps // 4))
+
+
+def fused_wmatmul_applies(avals_in, params):
+    """Whether the fused kernel covers this call: x bf16/f16 with 1 <= M <= FUSED_MAX_M,
+    a 4-bit weight format, K % 32 == 0 and block_size 16 or a multiple of 32."""
+    x, codes = avals_in[0], avals_in[1]
+    m, k = x.shape
+    bs = params["block_size"]
+    return (np.dtype(x.dtype) in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+            and params["fmt"] in FUSED_FORMATS and 1 <= m <= FUSED_MAX_M
+            and codes.shape[0] >= 1 and k % 32 == 0 and (bs == 16 or bs % 32 == 0))
+
+
+def _wmatmul_fused(x, codes, scales, zeros, ts, *, fmt, block_size, two_level, out_dtype,
+                   precision, impl):
+    """The fused kernel's K-split float32 partial sums, summed and cast by XLA."""
+    m, k = x.shape
+    splits = wmatmul_splits(m, codes.shape[0], k)
+    part = jax.ffi.ffi_call(_FUSED_TARGET,
+                            jax.ShapeDtypeStruct((splits, m, codes.shape[0]), jnp.float32))(
+        x, codes, scales, zeros, ts, **_attrs(fmt, block_size, two_level=two_level),
+        splits=np.int64(splits))
+    return (part[0] if splits == 1 else part.sum(0)).astype(out_dtype)
+
+
 _def_impl(wmatmul_p)
 wmatmul_p.def_abstract_eval(_wmatmul_abstract)
 batching.primitive_batchers[wmatmul_p] = _wmatmul_batch
 ad.defjvp(wmatmul_p, lambda g, x, *w, **p: wmatmul_p.bind(g, *w, **p), None, None, None, None)
 ad.primitive_transposes[wmatmul_p] = _wmatmul_transpose
-_register_lowerings(wmatmul_p, None, _wmatmul_ref, kernel_impl=_wmatmul_kernels)
+_register_lowerings(wmatmul_p, None, _wmatmul_ref, kernel_impl=_wmatmul_kernels,
+                    cuda_impl=(_FUSED_TARGET, fused_wmatmul_applies, _wmatmul_fused))
 
 
 # ------------------------------------------------------------------------ block-scaled matmul
@@ -390,6 +438,31 @@ _scaled_matmul_ref = functools.partial(_scaled_matmul_compose, _dequantize_ref)
 _scaled_matmul_kernels = functools.partial(_scaled_matmul_compose, dequantize_p.bind)
 
 
+def scaled_matmul_bf16(a_codes, a_scales, a_ts, b_codes, b_scales, b_ts, alpha, bias, *,
+                       a_fmt, b_fmt, k, out_dtype, impl):
+    """The GPU path: both operands decoded to bfloat16 without their NVFP4 per-tensor
+    scales -- exact, since an E2M1/E2M3/E3M2/E4M3/E5M2 element times an E4M3 or E8M0
+    block scale has at most 8 significant bits (results below 2^-133, bfloat16's least
+    subnormal, are the exception: the reference keeps them in float32) -- then a bf16
+    tensor-core dot with float32 accumulation and an epilogue of the per-row / per-column
+    tensor scales, alpha and bias. Equal to the reference up to float32 rounding of the
+    accumulation and of the tensor-scale products."""
+    empty = jnp.zeros((0,), jnp.uint8)
+
+    def dq(codes, scales, ts, fmt):
+        return dequantize_p.bind(codes, scales, empty, ts, fmt=fmt,
+                                 block_size=get_format(fmt).default_block, k=k,
+                                 dtype=np.dtype(jnp.bfloat16), two_level=False, impl=impl)
+
+    d = lax.dot_general(dq(a_codes, a_scales, a_ts, a_fmt), dq(b_codes, b_scales, b_ts, b_fmt),
+                        (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    if get_format(a_fmt).family == "nvfp4":
+        d = d * a_ts[:, None]
+    if get_format(b_fmt).family == "nvfp4":
+        d = d * b_ts[None, :]
+    return (d * alpha + bias[None, :]).astype(out_dtype)
+
+
 def _scaled_matmul_batch(args, dims, **params):
     fn = functools.partial(_scaled_matmul_kernels, **params)
     return jax.vmap(fn, in_axes=dims)(*args), 0
@@ -399,4 +472,6 @@ _def_impl(scaled_matmul_p)
 scaled_matmul_p.def_abstract_eval(_scaled_matmul_abstract)
 batching.primitive_batchers[scaled_matmul_p] = _scaled_matmul_batch
 _register_lowerings(scaled_matmul_p, None, _scaled_matmul_ref,
-                    kernel_impl=_scaled_matmul_kernels)
+                    kernel_impl=_scaled_matmul_kernels,
+                    cuda_impl=("jax_fp4_dequantize_v1", lambda avals, params: True,
+                               scaled_matmul_bf16))

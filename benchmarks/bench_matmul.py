@@ -1,0 +1,177 @@
+"""Device time of W4A16 matmul and block-scaled matmul on the GPU vs bf16 ``jnp.dot``.
+
+Method (DESIGN.md section 7): one jitted function runs the op on R distinct weights
+(together larger than L2), time / R, median of repeats; in the same run the baselines:
+bf16 ``jnp.dot`` on bf16 weights, the jitted jnp reference (dequantize + dot), the
+weight-bytes floor (weight + scale bytes / the measured copy roof) and, for the
+block-scaled matmul, ``jax.nn.scaled_dot_general`` (nvfp4, mxfp8; it quantizes its bf16
+operands itself, as its users call it). Prints markdown tables and appends them to
+RESULTS.md.
+
+  python benchmarks/bench_matmul.py [--shapes 8192x28672 28672x8192] [--ms 1 16 64]
+      [--formats nvfp4 mxfp4 nf4 int4] [--scaled 4096 8192] [--rule-ms 256 512 1024]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_fp4 as jf
+from jax_fp4 import primitives
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_quant import L2_BYTES, copy_roof, median_time  # noqa: E402
+
+LLAMA_SHAPES = ["4096x4096", "4096x14336", "14336x4096", "8192x8192", "8192x28672",
+                "28672x8192"]
+
+
+def weight_bytes(fmt, k, n):
+    if fmt == "bf16":
+        return 2 * k * n
+    f = jf.get_format(fmt)
+    nb = k * n // f.default_block
+    sbytes = 4 if f.family == "codebook" else (2 if f.family == "int4" else 1)
+    return k * n * f.bits // 8 + nb * sbytes + (nb if f.family == "int4" else 0)
+
+
+def path_of(fn, args):
+    """Which W4A16 path the lowered computation takes."""
+    text = fn.lower(*args).as_text()
+    if "jax_fp4_wmatmul_v1" in text:
+        return "fused"
+    return "dequant+dot" if "jax_fp4_dequantize_v1" in text else "reference"
+
+
+def timed(fn, args, r):
+    try:
+        return median_time(fn, args, repeats=5) / r
+    except Exception as e:  # e.g. a reference that does not fit: say so, go on
+        print(f"#   {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+        return float("nan")
+
+
+def bench_w4a16(args, roof, rows):
+    key = jax.random.key(0)
+    for shape in args.shapes:
+        k, n = (int(v) for v in shape.split("x"))
+        r = min(32, max(2, -(-2 * L2_BYTES // weight_bytes("nvfp4", k, n))))
+        ws = [jax.random.normal(jax.random.fold_in(key, i), (k, n), jnp.bfloat16) * 0.02
+              for i in range(r)]
+        qs = {fmt: [jf.quantize(w, fmt, axis=0) for w in ws] for fmt in args.formats}
+        for m in args.ms:
+            x = jax.random.normal(jax.random.fold_in(key, 1000 + m), (m, k), jnp.bfloat16)
+            t_bf16 = timed(jax.jit(lambda x, *w: [x @ v for v in w]), (x, *ws), r)
+            floor_bf16 = weight_bytes("bf16", k, n) / roof
+            print(f"{shape:11s} M={m:5d} bf16 {t_bf16 * 1e6:9.1f} us", flush=True)
+            for fmt in args.formats:
+                fn = jax.jit(lambda x, *q: [jf.matmul(x, v) for v in q])
+                t = timed(fn, (x, *qs[fmt]), r)
+                path = path_of(fn, (x, *qs[fmt]))
+                t_ref = float("nan")
+                if fmt in args.reference_formats and m in args.reference_ms:
+                    jf.set_backend("reference")
+                    fn_ref = jax.jit(lambda x, *q: [jf.matmul(x, v) for v in q])
+                    t_ref = timed(fn_ref, (x, *qs[fmt]), r)
+                    jf.set_backend("auto")
+                floor = weight_bytes(fmt, k, n) / roof
+                rows.append((shape, m, fmt, path, t * 1e6, t_bf16 * 1e6, t_bf16 / t,
+                             floor_bf16 / floor, t_ref / t, 100 * floor / t))
+                print(f"{shape:11s} M={m:5d} {fmt:8s} {path:11s} {t * 1e6:9.1f} us  "
+                      f"x{t_bf16 / t:5.2f} vs bf16 (ideal x{floor_bf16 / floor:4.2f})  "
+                      f"x{t_ref / t:6.1f} vs ref  {100 * floor / t:5.1f}% of floor", flush=True)
+            # the size rule: both W4A16 paths side by side where they meet
+            if m in args.rule_ms and "nvfp4" in args.formats:
+                saved = primitives.FUSED_MAX_M
+                for label, limit in (("fused", 1 << 30), ("dequant+dot", 0)):
+                    primitives.FUSED_MAX_M = limit
+                    fn = jax.jit(lambda x, *q: [jf.matmul(x, v) for v in q])
+                    t = timed(fn, (x, *qs["nvfp4"]), r)
+                    rows.append((shape, m, "nvfp4 (rule)", label, t * 1e6, t_bf16 * 1e6,
+                                 t_bf16 / t, float("nan"), float("nan"), float("nan")))
+                    print(f"{shape:11s} M={m:5d} nvfp4 rule {label:11s} {t * 1e6:9.1f} us "
+                          f"x{t_bf16 / t:5.2f} vs bf16", flush=True)
+                primitives.FUSED_MAX_M = saved
+        del ws, qs
+
+
+def bench_scaled(args, rows):
+    key = jax.random.key(1)
+    dn = (((1,), (1,)), ((), ()))
+    for size in args.scaled:
+        m = n = k = size
+        r = 2
+        xs = [jax.random.normal(jax.random.fold_in(key, i), (m, k), jnp.bfloat16) for i in range(r)]
+        ws = [jax.random.normal(jax.random.fold_in(key, 100 + i), (n, k), jnp.bfloat16)
+              for i in range(r)]
+        flops = 2.0 * m * n * k
+        t_bf16 = timed(jax.jit(lambda *v: [a @ b.T for a, b in zip(v[:r], v[r:])]),
+                       (*xs, *ws), r)
+        for a_fmt, b_fmt, sdg in (("nvfp4", "nvfp4", "nvfp4"), ("mxfp8_e4m3", "mxfp8_e4m3", "mxfp8"),
+                                  ("mxfp4", "mxfp4", None), ("mxfp6_e2m3", "mxfp8_e4m3", None)):
+            kw = {"tensor_scale": "auto"} if a_fmt == "nvfp4" else {}
+            qa = [jf.quantize(x, a_fmt, axis=1, **kw) for x in xs]
+            qb = [jf.quantize(w, b_fmt, axis=1, **kw) for w in ws]
+            t = timed(jax.jit(lambda *q: [jf.scaled_matmul(a, b) for a, b in zip(q[:r], q[r:])]),
+                      (*qa, *qb), r)
+            t_sdg = float("nan")
+            if sdg:
+                cfg = jax.nn.get_scaled_dot_general_config(sdg)
+                t_sdg = timed(jax.jit(lambda *v: [
+                    jax.nn.scaled_dot_general(a, b, dn, preferred_element_type=jnp.bfloat16,
+                                              configs=[cfg, cfg, cfg])
+                    for a, b in zip(v[:r], v[r:])]), (*xs, *ws), r)
+            rows.append((f"{m}x{n}x{k}", f"{a_fmt} x {b_fmt}", t * 1e6, flops / t / 1e12,
+                         100 * t_bf16 / t, flops / t_bf16 / 1e12, t_sdg / t))
+            print(f"{size:6d}^3 {a_fmt} x {b_fmt}: {t * 1e6:9.1f} us {flops / t / 1e12:6.0f} "
+                  f"TFLOP/s = {100 * t_bf16 / t:5.1f}% of bf16 ({flops / t_bf16 / 1e12:.0f}); "
+                  f"x{t_sdg / t:5.2f} vs scaled_dot_general", flush=True)
+            del qa, qb
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--shapes", nargs="+", default=LLAMA_SHAPES, help="KxN weight shapes")
+    ap.add_argument("--ms", nargs="+", type=int, default=[1, 4, 16, 64, 256, 1024, 4096])
+    ap.add_argument("--formats", nargs="+", default=["nvfp4", "mxfp4", "nf4", "int4"])
+    ap.add_argument("--reference-formats", nargs="*", default=["nvfp4"])
+    ap.add_argument("--reference-ms", nargs="*", type=int, default=[1, 16])
+    ap.add_argument("--rule-ms", nargs="*", type=int, default=[256, 512, 1024])
+    ap.add_argument("--scaled", nargs="*", type=int, default=[2048, 4096, 8192],
+                    help="M = N = K sizes of the block-scaled matmul")
+    ap.add_argument("--results", default=os.path.join(os.path.dirname(__file__), "RESULTS.md"))
+    args = ap.parse_args(argv)
+    dev = jax.devices()[0]
+    roof = copy_roof() * 1e9  # bytes / s
+    w_rows, s_rows = [], []
+    bench_w4a16(args, roof, w_rows)
+    bench_scaled(args, s_rows)
+    note = (f"\n## W4A16 and block-scaled matmul ({datetime.date.today()})\n\n"
+            f"Command: `python benchmarks/bench_matmul.py {' '.join(argv or sys.argv[1:])}`; "
+            f"GPU: {dev.device_kind}; jax {jax.__version__}; copy roof {roof / 1e9:.0f} GB/s. "
+            "Device time per call = median over 5 calls of one jitted function running the op "
+            "on R distinct weights (together > L2), divided by R. x bf16 (M, K); weight "
+            "(K, N) blocked along K. 'ideal' = bf16 weight bytes / 4-bit weight + scale bytes; "
+            "'% of floor' = (weight + scale bytes / copy roof) / time.\n\n")
+    table = ("| K x N | M | weight | path | time (us) | bf16 dot (us) | x vs bf16 | ideal x | "
+             "x vs jnp ref | % of bytes floor |\n|---|---:|---|---|---:|---:|---:|---:|---:|---:|\n")
+    table += "".join(f"| {s} | {m} | {f} | {p} | {t:.1f} | {b:.1f} | {x:.2f} | {i:.2f} | "
+                     f"{xr:.1f} | {fl:.0f} |\n".replace("nan", "-")
+                     for s, m, f, p, t, b, x, i, xr, fl in w_rows)
+    table += ("\n| M x N x K | A x B | time (us) | TFLOP/s | % of bf16 jnp.dot | bf16 TFLOP/s | "
+              "x vs jax.nn.scaled_dot_general |\n|---|---|---:|---:|---:|---:|---:|\n")
+    table += "".join(f"| {s} | {f} | {t:.1f} | {tf:.0f} | {p:.1f} | {bt:.0f} | {xs:.2f} |\n"
+                     .replace("nan", "-") for s, f, t, tf, p, bt, xs in s_rows)
+    print("\n" + note + table)
+    with open(args.results, "a") as fh:
+        fh.write(note + table)
+
+
+if __name__ == "__main__":
+    main()

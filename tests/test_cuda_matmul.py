@@ -1,0 +1,129 @@
+"""CUDA W4A16 fused matmul and block-scaled matmul vs the reference (GPU machine only).
+
+The weights are decoded by the reference on the CPU device; the exact result is the
+float64 sum of x * w over k, and the GPU result must lie within float32-accumulation
+rounding of it: |got - exact| <= K * 2^-22 * sum_k |x w| (a wrong index, scale or
+rounding shows up as an error of the order of sum_k |x w| itself).
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_fp4 as jf
+from jax_fp4 import primitives
+
+pytestmark = pytest.mark.gpu
+
+W_CASES = [("nvfp4", 16, {}), ("nvfp4", 16, {"tensor_scale": "auto"}), ("mxfp4", 32, {}),
+           ("nf4", 64, {}), ("bnb_fp4", 32, {}), ("int4", 128, {}),
+           ("int4", 32, {"scale_dtype": jnp.float32})]
+# (M, K, N): ragged M (1, 13, 64+36, 256), K not a multiple of 128, N not a multiple of 128
+SHAPES = [(1, 384, 200), (13, 384, 200), (100, 384, 200), (16, 1024, 384), (256, 1024, 384)]
+
+
+def _gpu():
+    return jax.devices("gpu")[0]
+
+
+def _cpu():
+    return jax.devices("cpu")[0]
+
+
+def _k_for(k, bs):
+    return k if k % bs == 0 else bs * (k // bs + 1)
+
+
+def _check(got, x, w, what):
+    """got (M, N) vs x (M, K) @ w (K, N), exact in float64."""
+    x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    exact = x64 @ w64
+    bound = x64.shape[1] * 2.0**-22 * (np.abs(x64) @ np.abs(w64)) + 1e-30
+    got = np.asarray(got, np.float64)
+    assert got.shape == exact.shape, what
+    err = np.abs(got - exact)
+    bad = ~(err <= bound)
+    assert not bad.any(), (f"{what}: {bad.sum()} of {bad.size} outside float32-accumulation "
+                           f"rounding, e.g. got {got[bad][:4]} want {exact[bad][:4]}")
+
+
+@pytest.mark.parametrize("fmt,bs,kw", W_CASES, ids=str)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_fused_wmatmul_matches_reference(fmt, bs, kw, dtype, rng):
+    assert jf.capabilities()["kernels"]["cuda"], jf.capabilities()["load_error"]
+    for m, k, n in SHAPES:
+        k = _k_for(k, bs)
+        x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+        w = (rng.standard_normal((k, n)) * 10.0 ** rng.integers(-3, 3, size=(1, n))).astype(np.float32)
+        q = jf.quantize(jax.device_put(jnp.asarray(w), _cpu()), fmt, axis=0, block_size=bs, **kw)
+        jf.set_backend("reference")
+        try:  # the weight as the reference decodes it for W4A16: float32, rounded to x.dtype
+            w_ref = np.asarray(jax.jit(lambda q: q.dequantize(dtype))(q)).astype(np.float32)
+        finally:
+            jf.set_backend("auto")
+        qg, xg = jax.device_put(q, _gpu()), jax.device_put(x, _gpu())
+        f32 = jax.jit(lambda x, q: jf.dot_general(x, q, (((1,), (0,)), ((), ())),
+                                                  preferred_element_type=jnp.float32))
+        text = f32.lower(xg, qg).as_text()
+        assert "jax_fp4_wmatmul_v1" in text, f"{fmt} M={m} K={k}: fused kernel not used"
+        _check(f32(xg, qg), np.asarray(x, np.float32), w_ref, f"{fmt} {kw} {dtype.__name__} "
+               f"M={m} K={k} N={n}")
+        # default output dtype (x's): the float32 result rounded once
+        y = np.asarray(jax.jit(jf.matmul)(xg, qg))
+        assert y.dtype == np.dtype(dtype)
+        np.testing.assert_array_equal(y, np.asarray(f32(xg, qg).astype(dtype)))
+
+
+def test_fused_wmatmul_nonfinite_and_vmap(rng):
+    k, n = 256, 136
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    q = jax.device_put(jf.quantize(jnp.asarray(w), "mxfp4", axis=0), _gpu())
+    x = rng.standard_normal((3, 5, k)).astype(np.float32)
+    x[1, 2, 7] = np.nan
+    xg = jax.device_put(jnp.asarray(x, jnp.bfloat16), _gpu())
+    y = np.asarray(jax.jit(jax.vmap(jf.matmul, in_axes=(0, None)))(xg, q), np.float32)
+    assert np.isnan(y[1, 2]).all() and np.isfinite(np.delete(y.reshape(15, n), 7, 0)).all()
+    want = np.asarray(jax.jit(jf.matmul)(xg.reshape(15, k), q), np.float32).reshape(3, 5, n)
+    np.testing.assert_array_equal(y, want)
+    # an MX block scale of 255 (NaN) poisons its output column only
+    scales = np.asarray(q.scales).view(np.uint8).copy()
+    scales[3, 17] = 255
+    q_nan = jf.QArray(q.data, jnp.asarray(scales).view(jnp.float8_e8m0fnu), None, None,
+                      format="mxfp4", axis=0, shape=(k, n), dtype=jnp.float32, block_size=32)
+    x2 = jax.device_put(jnp.ones((2, k), jnp.bfloat16), _gpu())
+    y2 = np.asarray(jax.jit(jf.matmul)(x2, q_nan), np.float32)
+    assert np.isnan(y2[:, 17]).all() and np.isfinite(np.delete(y2, 17, 1)).all()
+
+
+def test_wmatmul_grad_and_large_m_path(rng):
+    k, n = 512, 256
+    w = jnp.asarray(rng.standard_normal((k, n)), jnp.float32)
+    q = jax.device_put(jf.quantize(w, "nvfp4", axis=0), _gpu())
+    x = jax.device_put(jnp.asarray(rng.standard_normal((8, k)), jnp.bfloat16), _gpu())
+    g = jax.jit(jax.grad(lambda x: jf.matmul(x, q).astype(jnp.float32).sum()))(x)
+    wd = np.asarray(q.dequantize(jnp.bfloat16), np.float32)
+    np.testing.assert_allclose(np.asarray(g, np.float32)[0], wd.sum(1), rtol=1e-2, atol=1e-2)
+    big = jax.device_put(jnp.asarray(rng.standard_normal((primitives.FUSED_MAX_M + 1, k)),
+                                     jnp.bfloat16), _gpu())
+    text = jax.jit(jf.matmul).lower(big, q).as_text()
+    assert "jax_fp4_wmatmul_v1" not in text and "jax_fp4_dequantize_v1" in text
+
+
+@pytest.mark.parametrize("a_fmt,b_fmt", [("nvfp4", "nvfp4"), ("mxfp4", "mxfp4"),
+                                         ("mxfp8_e4m3", "mxfp8_e4m3"), ("mxfp6_e2m3", "mxfp8_e5m2")])
+def test_cuda_scaled_matmul_matches_reference(a_fmt, b_fmt, rng):
+    m, n, k = 100, 72, 320
+    kw = {"tensor_scale": "auto"} if a_fmt == "nvfp4" else {}
+    a = jf.quantize(jnp.asarray(rng.standard_normal((m, k)), jnp.float32), a_fmt, axis=1, **kw)
+    b = jf.quantize(jnp.asarray(rng.standard_normal((n, k)) * 30, jnp.float32), b_fmt, axis=1,
+                    **kw)
+    bias = jnp.asarray(rng.standard_normal(n), jnp.float32)
+    ad = np.asarray(jax.device_put(a, _cpu()).dequantize(jnp.float32), np.float64)
+    bd = np.asarray(jax.device_put(b, _cpu()).dequantize(jnp.float32), np.float64)
+    got = jax.jit(lambda a, b, c: jf.scaled_matmul(a, b, alpha=0.5, bias=c,
+                                                   out_dtype=jnp.float32))(
+        *jax.device_put((a, b, bias), _gpu()))
+    exact = 0.5 * (ad @ bd.T) + np.asarray(bias, np.float64)[None]
+    bound = k * 2.0**-22 * (0.5 * np.abs(ad) @ np.abs(bd).T + np.abs(np.asarray(bias))[None])
+    err = np.abs(np.asarray(got, np.float64) - exact)
+    assert (err <= bound).all(), f"{a_fmt} x {b_fmt}: max err {err.max()} bound {bound.min()}"
