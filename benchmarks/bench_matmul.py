@@ -51,7 +51,7 @@ def path_of(fn, args):
 
 def timed(fn, args, r):
     try:
-        return median_time(fn, args, repeats=5) / r
+        return median_time(fn, args, repeats=15) / r
     except Exception as e:  # e.g. a reference that does not fit: say so, go on
         print(f"#   {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
         return float("nan")
@@ -61,7 +61,7 @@ def bench_w4a16(args, roof, rows):
     key = jax.random.key(0)
     for shape in args.shapes:
         k, n = (int(v) for v in shape.split("x"))
-        r = min(32, max(2, -(-2 * L2_BYTES // weight_bytes("nvfp4", k, n))))
+        r = min(32, max(4, -(-4 * L2_BYTES // weight_bytes("nvfp4", k, n))))
         ws = [jax.random.normal(jax.random.fold_in(key, i), (k, n), jnp.bfloat16) * 0.02
               for i in range(r)]
         qs = {fmt: [jf.quantize(w, fmt, axis=0) for w in ws] for fmt in args.formats}
@@ -155,7 +155,7 @@ def main(argv=None):
     note = (f"\n## W4A16 and block-scaled matmul ({datetime.date.today()})\n\n"
             f"Command: `python benchmarks/bench_matmul.py {' '.join(argv or sys.argv[1:])}`; "
             f"GPU: {dev.device_kind}; jax {jax.__version__}; copy roof {roof / 1e9:.0f} GB/s. "
-            "Device time per call = median over 5 calls of one jitted function running the op "
+            "Device time per call = median over 15 calls of one jitted function running the op "
             "on R distinct weights (together > L2), divided by R. x bf16 (M, K); weight "
             "(K, N) blocked along K. 'ideal' = bf16 weight bytes / 4-bit weight + scale bytes; "
             "'% of floor' = (weight + scale bytes / copy roof) / time.\n\n")

@@ -1,7 +1,16 @@
-"""Driver for Nsight Compute: one call of each CUDA kernel on a 256 MiB bf16 input.
+"""Driver for Nsight Compute: one call of each CUDA kernel.
+
+Quantize / dequantize of a 256 MiB bf16 input:
 
   ncu --clock-control none --kernel-name regex:"quantize|dequantize" --launch-skip 0 \
       --section SpeedOfLight --section WarpStateStats python benchmarks/cuda_profile.py nf4
+
+W4A16 matmul of a (K, N) = (8192, 28672) weight at M = 1 and 16, and the bf16 dot of the
+same shapes (XLA's GEMM kernel):
+
+  ncu --clock-control none --kernel-name regex:"wmatmul|gemm|gemv" \
+      --section SpeedOfLight --section WarpStateStats --section Occupancy \
+      python benchmarks/cuda_profile.py wmatmul nvfp4
 """
 import sys
 
@@ -10,10 +19,20 @@ import jax.numpy as jnp
 
 import jax_fp4 as jf
 
-fmt = sys.argv[1] if len(sys.argv) > 1 else "nvfp4"
+mode = sys.argv[1] if len(sys.argv) > 1 else "nvfp4"
 jf.set_backend("kernels")
-x = jax.random.normal(jax.random.key(0), (16384, 8192), jnp.bfloat16)
-q = jax.jit(lambda v: jf.quantize(v, fmt))(x)
-y = jax.jit(jf.dequantize)(q)
-jax.block_until_ready(y)
-print("profiled", fmt)
+if mode == "wmatmul":
+    fmt = sys.argv[2] if len(sys.argv) > 2 else "nvfp4"
+    w = jax.random.normal(jax.random.key(0), (8192, 28672), jnp.bfloat16)
+    q = jax.jit(lambda v: jf.quantize(v, fmt, axis=0))(w)
+    for m in (1, 16):
+        x = jax.random.normal(jax.random.key(m), (m, 8192), jnp.bfloat16)
+        jax.block_until_ready(jax.jit(jf.matmul)(x, q))
+        jax.block_until_ready(jax.jit(jnp.dot)(x, w))
+    print("profiled wmatmul", fmt)
+else:
+    x = jax.random.normal(jax.random.key(0), (16384, 8192), jnp.bfloat16)
+    q = jax.jit(lambda v: jf.quantize(v, mode))(x)
+    y = jax.jit(jf.dequantize)(q)
+    jax.block_until_ready(y)
+    print("profiled", mode)

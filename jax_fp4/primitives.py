@@ -364,26 +364,55 @@ def _wmatmul_transpose(ct, x, codes, scales, zeros, ts, **params):
 FUSED_FORMATS = ("nvfp4", "mxfp4", "nf4", "bnb_fp4", "int4")
 FUSED_MAX_M = 256
 _FUSED_TARGET = "jax_fp4_wmatmul_v1"
-_FUSED_ROWS_PER_CTA, _FUSED_STEP_K, _FUSED_TARGET_CTAS = 128, 128, 4 * 132
+# (rows per CTA, k per super-step, resident CTAs per SM, fewest super-steps per split) of
+# the direct kernel (M <= 16) and the staged kernel (csrc/cuda/wmatmul.cu)
+_FUSED_DIRECT_MAX_M = 16
+_FUSED_GEOMETRY = {True: (64, 1024, 3, 1), False: (128, 128, 4, 2)}
 
 
-def wmatmul_splits(m, n, k):
-    """K-splits of the fused kernel: enough CTAs (about 4 per SM of an H100) to fill the
-    GPU when N is small, each split keeping at least 4 super-steps of 128 k."""
-    n_steps = -(-k // _FUSED_STEP_K)
-    ctas = -(-n // _FUSED_ROWS_PER_CTA) * (1 if m <= 64 else -(-m // 64))
-    return max(1, min(-(-_FUSED_TARGET_CTAS // ctas), n_steps // 4))
+def _sm_count():
+    """Streaming multiprocessors of the first GPU (132 on an H100 SXM / H200 if unknown)."""
+    try:
+        n = getattr(jax.devices("gpu")[0], "core_count", None)
+    except RuntimeError:
+        n = None
+    return int(n) if n else 132
+
+
+def wmatmul_splits(m, n, k, sms=None):
+    """K-splits S of the fused kernel (grid = ceil(N / rows) x M-chunks x S CTAs).
+
+    The smallest S whose CTAs fill whole waves to >= 85% (at least one full wave), with
+    no empty split, at least 1 (direct kernel) or 2 (staged) super-steps per split and the
+    float32 partial sums (S x M x N) under a quarter of the 4-bit weight's bytes; if none,
+    the S of best wave efficiency."""
+    direct = m <= _FUSED_DIRECT_MAX_M
+    rows, step, per_sm, min_steps = _FUSED_GEOMETRY[direct]
+    slots = per_sm * (sms or _sm_count())
+    n_steps = -(-k // step)
+    ctas = -(-n // rows) * (1 if direct or m <= 64 else -(-m // 64))
+    best, best_eff = 1, 0.0
+    for s in range(1, max(1, min(n_steps // min_steps, k // (32 * m))) + 1):
+        if -(-n_steps // -(-n_steps // s)) != s:
+            continue  # some splits would be empty (the kernel splits K in whole super-steps)
+        items = ctas * s
+        eff = items / (-(-items // slots) * slots)
+        if items >= slots and eff >= 0.85:
+            return s
+        if eff > best_eff + 1e-9:
+            best, best_eff = s, eff
+    return best
 
 
 def fused_wmatmul_applies(avals_in, params):
     """Whether the fused kernel covers this call: x bf16/f16 with 1 <= M <= FUSED_MAX_M,
-    a 4-bit weight format, K % 32 == 0 and block_size 16 or a multiple of 32."""
+    a 4-bit weight format, K % 32 == 0 and a power-of-two block_size >= 16."""
     x, codes = avals_in[0], avals_in[1]
     m, k = x.shape
     bs = params["block_size"]
     return (np.dtype(x.dtype) in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
             and params["fmt"] in FUSED_FORMATS and 1 <= m <= FUSED_MAX_M
-            and codes.shape[0] >= 1 and k % 32 == 0 and (bs == 16 or bs % 32 == 0))
+            and codes.shape[0] >= 1 and k % 32 == 0 and bs >= 16 and bs & (bs - 1) == 0)
 
 
 def _wmatmul_fused(x, codes, scales, zeros, ts, *, fmt, block_size, two_level, out_dtype,

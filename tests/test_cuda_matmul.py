@@ -15,11 +15,14 @@ from jax_fp4 import primitives
 
 pytestmark = pytest.mark.gpu
 
-W_CASES = [("nvfp4", 16, {}), ("nvfp4", 16, {"tensor_scale": "auto"}), ("mxfp4", 32, {}),
-           ("nf4", 64, {}), ("bnb_fp4", 32, {}), ("int4", 128, {}),
-           ("int4", 32, {"scale_dtype": jnp.float32})]
-# (M, K, N): ragged M (1, 13, 64+36, 256), K not a multiple of 128, N not a multiple of 128
-SHAPES = [(1, 384, 200), (13, 384, 200), (100, 384, 200), (16, 1024, 384), (256, 1024, 384)]
+W_CASES = [(fmt, bs, kw, dtype) for fmt, bs, kw in [
+    ("nvfp4", 16, {}), ("nvfp4", 16, {"tensor_scale": "auto"}), ("mxfp4", 32, {}),
+    ("nf4", 64, {}), ("bnb_fp4", 32, {}), ("int4", 128, {}),
+    ("int4", 32, {"scale_dtype": jnp.float32})] for dtype in (jnp.bfloat16,)] + [
+    ("nvfp4", 16, {"tensor_scale": "auto"}, jnp.float16), ("int4", 64, {}, jnp.float16)]
+# (M, K, N): M = 1 and 13 (activations read directly), 100 (staged in shared memory, two
+# M-chunks); K not a multiple of 128; N not a multiple of 128
+SHAPES = [(1, 384, 200), (13, 1056, 136), (100, 384, 200)]
 
 
 def _gpu():
@@ -47,8 +50,7 @@ def _check(got, x, w, what):
                            f"rounding, e.g. got {got[bad][:4]} want {exact[bad][:4]}")
 
 
-@pytest.mark.parametrize("fmt,bs,kw", W_CASES, ids=str)
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("fmt,bs,kw,dtype", W_CASES, ids=str)
 def test_fused_wmatmul_matches_reference(fmt, bs, kw, dtype, rng):
     assert jf.capabilities()["kernels"]["cuda"], jf.capabilities()["load_error"]
     for m, k, n in SHAPES:
@@ -68,10 +70,11 @@ def test_fused_wmatmul_matches_reference(fmt, bs, kw, dtype, rng):
         assert "jax_fp4_wmatmul_v1" in text, f"{fmt} M={m} K={k}: fused kernel not used"
         _check(f32(xg, qg), np.asarray(x, np.float32), w_ref, f"{fmt} {kw} {dtype.__name__} "
                f"M={m} K={k} N={n}")
-        # default output dtype (x's): the float32 result rounded once
-        y = np.asarray(jax.jit(jf.matmul)(xg, qg))
+        # x's dtype out: the float32 result rounded once
+        y = jax.jit(lambda x, q: jf.dot_general(x, q, (((1,), (0,)), ((), ())),
+                                                preferred_element_type=dtype))(xg, qg)
         assert y.dtype == np.dtype(dtype)
-        np.testing.assert_array_equal(y, np.asarray(f32(xg, qg).astype(dtype)))
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(f32(xg, qg).astype(dtype)))
 
 
 def test_fused_wmatmul_nonfinite_and_vmap(rng):
@@ -87,7 +90,7 @@ def test_fused_wmatmul_nonfinite_and_vmap(rng):
     np.testing.assert_array_equal(y, want)
     # an MX block scale of 255 (NaN) poisons its output column only
     scales = np.asarray(q.scales).view(np.uint8).copy()
-    scales[3, 17] = 255
+    scales[17, 3] = 255  # (N, K / 32) linear scales: output column 17, block 3
     q_nan = jf.QArray(q.data, jnp.asarray(scales).view(jnp.float8_e8m0fnu), None, None,
                       format="mxfp4", axis=0, shape=(k, n), dtype=jnp.float32, block_size=32)
     x2 = jax.device_put(jnp.ones((2, k), jnp.bfloat16), _gpu())

@@ -44,16 +44,30 @@ def test_scaled_matmul_bf16_decomposition_equals_reference(a_fmt, b_fmt, rng):
 
 
 def test_wmatmul_splits_rule():
-    for m in (1, 16, 64, 65, 256):
-        for n in (128, 4096, 14336, 28672, 200):
-            for k in (32, 128, 4096, 8192, 28672, 160):
-                s = primitives.wmatmul_splits(m, n, k)
-                n_steps = -(-k // 128)
-                assert 1 <= s <= max(1, n_steps // 4), (m, n, k, s)
-    # small N at decode is split along K to fill the GPU; large N is not
-    assert primitives.wmatmul_splits(1, 4096, 4096) == 8
-    assert primitives.wmatmul_splits(1, 28672, 8192) == 3
-    assert primitives.wmatmul_splits(256, 28672, 8192) == 1
+    """Whole waves on a 132-SM GPU, no empty split, bounded partial-sum bytes."""
+    for m in (1, 16, 17, 64, 65, 256):
+        direct = m <= 16
+        rows, step, per_sm, min_steps = (64, 1024, 3, 1) if direct else (128, 128, 4, 2)
+        slots = per_sm * 132
+        for n in (128, 200, 4096, 14336, 28672):
+            for k in (32, 160, 4096, 8192, 28672):
+                s = primitives.wmatmul_splits(m, n, k, sms=132)
+                n_steps = -(-k // step)
+                s_max = max(1, min(n_steps // min_steps, k // (32 * m)))  # partials <= w / 4
+                assert 1 <= s <= s_max, (m, n, k, s)
+                ctas = -(-n // rows) * (1 if direct or m <= 64 else -(-m // 64))
+
+                def eff(s):
+                    return ctas * s / (-(-ctas * s // slots) * slots)
+
+                allowed = [v for v in range(1, s_max + 1)
+                           if -(-n_steps // -(-n_steps // v)) == v]  # no empty split
+                good = [v for v in allowed if ctas * v >= slots and eff(v) >= 0.85]
+                if good:  # the fewest splits that fill whole waves to >= 85%
+                    assert s == good[0], (m, n, k, s, good)
+                else:
+                    assert eff(s) == max(eff(v) for v in allowed), (m, n, k, s)
+    assert primitives.wmatmul_splits(256, 28672, 8192, sms=132) == 1
 
 
 def test_fused_wmatmul_size_rule():

@@ -20,7 +20,8 @@
 // 32t + 4s + {0, 1, 2, 3}. Activations are staged per super-step in shared memory in
 // that order (one conflict-free 16-byte read per lane per 2 MMA steps), zero-filled past
 // M and K. The next super-step's weight codes and scales are loaded before the current
-// one is decoded (register double buffer). grid.z splits K so that small-N shapes still
+// one is decoded (register double buffer). That is the staged kernel (M > 16); decode
+// sizes (M <= 16) run the direct kernel below: see its comment. grid.z splits K so that small-N shapes still
 // fill the GPU; the S partial sums leave as float32.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -54,8 +55,9 @@ constexpr int kXStride = 320;  // bytes per staged activation row: 256 + 64 (no 
 struct WParams {
   int64_t M, N, K;
   int64_t nb;              // scale blocks per weight row
-  int bs;                  // block size (16 or a multiple of 32)
-  int64_t n_steps;         // ceil(K / 128)
+  int bs;                  // block size: a power of two >= 16
+  int bs_shift;            // log2(bs)
+  int64_t n_steps;         // ceil(K / step): step = 128 k (staged) or 1024 k (direct)
   int64_t steps_per_split;
   int two_level;
   int st;                  // INT4 scale storage type
@@ -111,8 +113,8 @@ __device__ void load_chunk(Chunk& c, const uint8_t* __restrict__ codes,
     c.s0 = c.s1 = c.z0 = c.z1 = 0;
     return;
   }
-  c.q = __ldg(reinterpret_cast<const uint4*>(codes + row * (p.K / 2) + k / 2));
-  const int64_t b = row * p.nb + k / p.bs;
+  c.q = __ldg(reinterpret_cast<const uint4*>(codes + row * (p.K >> 1) + (k >> 1)));
+  const int64_t b = row * p.nb + (k >> p.bs_shift);
   c.s0 = load_scale_bits<FMT>(scales, b, p.st);
   c.s1 = p.bs == 16 ? load_scale_bits<FMT>(scales, b + 1, p.st) : c.s0;
   if constexpr (FMT == kINT4) {
@@ -227,8 +229,8 @@ __global__ void __launch_bounds__(kWarps * 32) wmatmul_kernel(
 #pragma unroll
       for (int h = 0; h < 2; ++h) cur[rt][h] = next[rt][h];
 
-    __syncthreads();  // every warp is done reading the previous super-step's activations
     const int64_t k0 = step * kStepK;
+    __syncthreads();  // every warp is done reading the previous super-step's activations
     for (int i = tid; i < MC * 16; i += kWarps * 32) {
       const int m = i >> 4, piece = i & 15;  // piece = 8 elements = physical (t, s2)
       const int64_t gm = m0 + m, k = k0 + 8 * piece;
@@ -309,24 +311,147 @@ __global__ void __launch_bounds__(kWarps * 32) wmatmul_kernel(
     }
 }
 
+// M <= 16 ("decode"): one 16-row weight tile per warp and super-steps of kDirectL x 128 k,
+// so that each weight row is read in runs of kDirectL x 64 contiguous bytes issued
+// back to back (HBM pages stay open; 64-byte runs per row measured at ~17% of the copy
+// roof). Chunk j of lane (g, t) is physical k [128 j + 32 t, +32) of rows g and g + 8;
+// all 2 x kDirectL code loads of a step are in flight before the first decode. The
+// activation fragments come straight from global memory (L1-resident), no barriers.
+constexpr int kDirectL = 8;
+constexpr int kDirectWarps = 4;
+constexpr int kDirectRowsPerCta = kDirectWarps * 16;  // 64
+constexpr int kDirectStepK = 128 * kDirectL;        // 1024
+
+template <int FMT, bool BF16, int MT>
+__global__ void __launch_bounds__(kDirectWarps * 32, 3) wmatmul_direct_kernel(
+    const uint16_t* __restrict__ x, const uint8_t* __restrict__ codes,
+    const void* __restrict__ scales, const uint8_t* __restrict__ zeros,
+    const float* __restrict__ ts, float* __restrict__ out, const WParams p) {
+  __shared__ float2 table[256];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  for (int i = tid; i < 256; i += kDirectWarps * 32)
+    table[i] = make_float2(code_value<FMT>(i & 15), code_value<FMT>(i >> 4));
+  __syncthreads();
+
+  const int64_t n_tile = static_cast<int64_t>(blockIdx.x) * kDirectRowsPerCta + warp * 16;
+  int64_t rows[2];
+  float tsv[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int64_t n = n_tile + h * 8 + g;
+    rows[h] = n < p.N ? n : p.N - 1;
+    tsv[h] = p.two_level ? __ldg(ts + rows[h]) : 1.0f;
+  }
+  const int64_t step_begin = static_cast<int64_t>(blockIdx.z) * p.steps_per_split;
+  int64_t step_end = step_begin + p.steps_per_split;
+  if (step_end > p.n_steps) step_end = p.n_steps;
+
+  float acc[MT][4];
+#pragma unroll
+  for (int j = 0; j < MT; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
+
+  for (int64_t step = step_begin; step < step_end; ++step) {
+    const int64_t k0 = step * kDirectStepK + 32 * t;
+    Chunk c[2][kDirectL];
+#pragma unroll
+    for (int j = 0; j < kDirectL; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        load_chunk<FMT>(c[h][j], codes, scales, zeros, rows[h], k0 + 128 * j, p);
+
+#pragma unroll
+    for (int j = 0; j < kDirectL; ++j) {
+      if (step * kDirectStepK + 128 * j >= p.K) break;  // warp-uniform: the MMAs need all lanes
+      const int64_t kj = k0 + 128 * j;
+      const bool kvalid = kj < p.K;  // lanes past K feed zeros (A and B)
+      uint4 xd[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int s2 = 0; s2 < 4; ++s2) {
+          const int64_t m = 8 * mt + g;
+          xd[mt][s2] = m < p.M && kvalid
+                           ? __ldg(reinterpret_cast<const uint4*>(x + m * p.K + kj + 8 * s2))
+                           : make_uint4(0, 0, 0, 0);
+        }
+      float sc[2][2], zz[2][2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        sc[h][0] = scale_value<FMT>(c[h][j].s0, tsv[h], p);
+        sc[h][1] = scale_value<FMT>(c[h][j].s1, tsv[h], p);
+        zz[h][0] = static_cast<float>(c[h][j].z0);
+        zz[h][1] = static_cast<float>(c[h][j].z1);
+      }
+#pragma unroll
+      for (int s2 = 0; s2 < 4; ++s2) {
+        uint32_t a[2][4];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const uint32_t w = s2 == 0 ? c[h][j].q.x : s2 == 1 ? c[h][j].q.y
+                             : s2 == 2 ? c[h][j].q.z : c[h][j].q.w;
+          const float scv = sc[h][s2 >> 1], zv = zz[h][s2 >> 1];
+          a[0][h] = decode_pair<FMT, BF16>(table, w & 0xffu, scv, zv);
+          a[0][2 + h] = decode_pair<FMT, BF16>(table, (w >> 8) & 0xffu, scv, zv);
+          a[1][h] = decode_pair<FMT, BF16>(table, (w >> 16) & 0xffu, scv, zv);
+          a[1][2 + h] = decode_pair<FMT, BF16>(table, w >> 24, scv, zv);
+          if (!kvalid) a[0][h] = a[0][2 + h] = a[1][h] = a[1][2 + h] = 0u;
+        }
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma16816<BF16>(acc[mt], a[0], xd[mt][s2].x, xd[mt][s2].y);
+          mma16816<BF16>(acc[mt], a[1], xd[mt][s2].z, xd[mt][s2].w);
+        }
+      }
+    }
+  }
+
+  float* o = out + static_cast<int64_t>(blockIdx.z) * p.M * p.N;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int64_t n = n_tile + h * 8 + g;
+    if (n >= p.N) continue;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int64_t m = 8 * mt + 2 * t + e;
+        if (m < p.M) o[m * p.N + n] = acc[mt][2 * h + e];
+      }
+  }
+}
+
+// M <= 16: the direct kernel; larger M: the staged kernel, 64 rows of x per grid.y.
+bool direct_path(int64_t M) { return M <= 16; }
+int64_t step_k(int64_t M) { return direct_path(M) ? kDirectStepK : kStepK; }
+
 template <int FMT, bool BF16>
 ffi::Error launch_fmt(cudaStream_t stream, const ffi::AnyBuffer& x, const ffi::AnyBuffer& codes,
                       const ffi::AnyBuffer& scales, const ffi::AnyBuffer& zeros,
                       const ffi::AnyBuffer& ts, float* out, const WParams& p, int splits) {
-  const int mt = p.M <= 8 ? 1 : p.M <= 16 ? 2 : p.M <= 32 ? 4 : 8;
-  const dim3 grid(static_cast<unsigned>((p.N + kRowsPerCta - 1) / kRowsPerCta),
-                  static_cast<unsigned>((p.M + 8 * mt - 1) / (8 * mt)),
-                  static_cast<unsigned>(splits));
   const auto* xp = static_cast<const uint16_t*>(x.untyped_data());
   const auto* cp = static_cast<const uint8_t*>(codes.untyped_data());
   const auto* zp = static_cast<const uint8_t*>(zeros.untyped_data());
   const auto* tp = static_cast<const float*>(ts.untyped_data());
   const void* sp = scales.untyped_data();
-  switch (mt) {
-    case 1: wmatmul_kernel<FMT, BF16, 1><<<grid, kWarps * 32, 0, stream>>>(xp, cp, sp, zp, tp, out, p); break;
-    case 2: wmatmul_kernel<FMT, BF16, 2><<<grid, kWarps * 32, 0, stream>>>(xp, cp, sp, zp, tp, out, p); break;
-    case 4: wmatmul_kernel<FMT, BF16, 4><<<grid, kWarps * 32, 0, stream>>>(xp, cp, sp, zp, tp, out, p); break;
-    default: wmatmul_kernel<FMT, BF16, 8><<<grid, kWarps * 32, 0, stream>>>(xp, cp, sp, zp, tp, out, p); break;
+  if (direct_path(p.M)) {
+    const dim3 grid(static_cast<unsigned>((p.N + kDirectRowsPerCta - 1) / kDirectRowsPerCta), 1,
+                    static_cast<unsigned>(splits));
+    if (p.M <= 8)
+      wmatmul_direct_kernel<FMT, BF16, 1><<<grid, kDirectWarps * 32, 0, stream>>>(xp, cp, sp, zp, tp, out, p);
+    else
+      wmatmul_direct_kernel<FMT, BF16, 2><<<grid, kDirectWarps * 32, 0, stream>>>(xp, cp, sp, zp, tp, out, p);
+  } else {
+    const int mt = p.M <= 32 ? 4 : 8;
+    const dim3 grid(static_cast<unsigned>((p.N + kRowsPerCta - 1) / kRowsPerCta),
+                    static_cast<unsigned>((p.M + 8 * mt - 1) / (8 * mt)),
+                    static_cast<unsigned>(splits));
+    if (mt == 4)
+      wmatmul_kernel<FMT, BF16, 4><<<grid, kWarps * 32, 0, stream>>>(xp, cp, sp, zp, tp, out, p);
+    else
+      wmatmul_kernel<FMT, BF16, 8><<<grid, kWarps * 32, 0, stream>>>(xp, cp, sp, zp, tp, out, p);
   }
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess)
@@ -367,14 +492,15 @@ ffi::Error WMatmulImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer cod
                                        codes.dimensions()[0], K, &p));
   JF4_RETURN_IF_ERROR(validate_quantized(where, &p, codes, scales, zeros));
   JF4_RETURN_IF_ERROR(validate_ts(where, p, ts));
-  if (K % 32 != 0 || !(block_size == 16 || block_size % 32 == 0))
-    return invalid(where, "the fused kernel needs K % 32 == 0 and block_size 16 or a multiple of "
-                          "32, got K = " + std::to_string(K) + ", block_size = " +
+  if (K % 32 != 0 || block_size < 16 || (block_size & (block_size - 1)) != 0)
+    return invalid(where, "the fused kernel needs K % 32 == 0 and a power-of-two block_size >= "
+                          "16, got K = " + std::to_string(K) + ", block_size = " +
                               std::to_string(block_size));
-  const int64_t n_steps = (K + kStepK - 1) / kStepK;
+  const int64_t n_steps = (K + step_k(M) - 1) / step_k(M);
   if (splits < 1 || splits > 65535 || (n_steps > 0 && splits > n_steps))
     return invalid(where, "attribute `splits` = " + std::to_string(splits) +
-                              " must be in [1, min(65535, ceil(K / 128))]");
+                              " must be in [1, min(65535, ceil(K / " + std::to_string(step_k(M)) +
+                              "))]");
   JF4_RETURN_IF_ERROR(check_dtype(where, "out", out->element_type(), {ffi::DataType::F32}));
   JF4_RETURN_IF_ERROR(check_shape(where, "out", out->dimensions(), {splits, M, p.R}));
   if (M == 0 || p.R == 0) return ffi::Error::Success();
@@ -390,6 +516,8 @@ ffi::Error WMatmulImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer cod
   w.K = K;
   w.nb = p.nb;
   w.bs = static_cast<int>(block_size);
+  w.bs_shift = 0;
+  while ((int64_t{1} << w.bs_shift) < block_size) ++w.bs_shift;
   w.n_steps = n_steps;
   w.steps_per_split = (n_steps + splits - 1) / splits;
   w.two_level = p.two_level;
