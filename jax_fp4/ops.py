@@ -333,6 +333,10 @@ def _weight_matmul(x, w: QArray, x_axis, precision, out_dtype):
 def matmul(x, w: QArray):
     """``x (..., K) @ w (K, N)`` with a QArray weight blocked along K (axis 0).
 
+    On CUDA, with bf16/f16 x of at most ``primitives.FUSED_MAX_M`` rows and a 4-bit weight
+    (nvfp4, mxfp4, nf4, bnb_fp4, int4; K % 32 == 0; power-of-two block size), this runs
+    the fused W4A16 kernel (csrc/cuda/wmatmul.cu); otherwise dequantize + XLA dot.
+
     Returns:
       (..., N) array in the promoted dtype of x and ``w.dtype``.
     Raises:
@@ -362,7 +366,9 @@ def scaled_matmul(a: QArray, b: QArray, *, alpha=None, bias=None, out_dtype=jnp.
       out_dtype: result dtype (float32, bfloat16 or float16).
     Returns:
       (M, N) array of out_dtype; the reference decodes both operands exactly to float32
-      and accumulates in float32.
+      and accumulates in float32. On CUDA the operands are decoded exactly to bf16
+      (without NVFP4 tensor scales, applied after) and multiplied on the tensor cores
+      with float32 accumulation (README "Spec notes").
     Raises:
       TypeError: a or b is not a QArray.
       ValueError: not 2-D / not blocked along K, K mismatch, a format without E4M3/E8M0

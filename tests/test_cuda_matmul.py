@@ -51,8 +51,9 @@ def _check(got, x, w, what):
 
 
 @pytest.mark.parametrize("fmt,bs,kw,dtype", W_CASES, ids=str)
-def test_fused_wmatmul_matches_reference(fmt, bs, kw, dtype, rng):
+def test_fused_wmatmul_matches_reference(fmt, bs, kw, dtype, rng, monkeypatch):
     assert jf.capabilities()["kernels"]["cuda"], jf.capabilities()["load_error"]
+    monkeypatch.setattr(primitives, "FUSED_MAX_M", 1 << 30)  # M = 100 too: two M-chunks
     for m, k, n in SHAPES:
         k = _k_for(k, bs)
         x = jnp.asarray(rng.standard_normal((m, k)), dtype)
