@@ -7,7 +7,7 @@ semantics; CPU (C++) and CUDA kernels registered as XLA FFI targets match it bit
 from . import _ext, formats, reference
 from .formats import FORMAT_NAMES, Format, get_format
 from .ops import (dequantize, dot_general, fake_quantize, from_blocked, matmul, quantize,
-                  scaled_matmul, tensor_scale_from_amax, to_blocked)
+                  scaled_matmul, scaled_matmul_operands, tensor_scale_from_amax, to_blocked)
 from .primitives import get_backend, set_backend
 from .qarray import QArray
 
@@ -49,6 +49,7 @@ def export_disabled_checks() -> list:
 __all__ = [
     "QArray", "Format", "FORMAT_NAMES", "get_format", "quantize", "dequantize",
     "fake_quantize", "tensor_scale_from_amax", "dot_general", "matmul", "scaled_matmul",
+    "scaled_matmul_operands",
     "to_blocked", "from_blocked", "set_backend", "get_backend", "capabilities", "formats",
     "export_disabled_checks",
     "reference",

@@ -411,5 +411,28 @@ def scaled_matmul(a: QArray, b: QArray, *, alpha=None, bias=None, out_dtype=jnp.
         b_fmt=b.format, k=k, out_dtype=out_dtype, impl=primitives.get_backend())
 
 
+def scaled_matmul_operands(q: QArray):
+    """A 2-D nvfp4 / MX QArray blocked along axis 1 as ``jax.nn.scaled_matmul`` operands.
+
+    Returns:
+      (data, scales, tensor_scale): data (1, R, K) float4_e2m1fn (nvfp4, mxfp4) or
+      float8_e4m3fn / float8_e5m2 (mxfp8; mxfp6 E2M3 / E3M2 widened exactly to them),
+      scales (1, R, K / block_size) float8_e4m3fn (nvfp4) or float8_e8m0fnu (MX) in the
+      linear layout (jax swizzles them for cuDNN itself), and the NVFP4 per-tensor scale
+      (or None), which ``jax.nn.scaled_matmul`` does not take: multiply its result by it.
+      This is the Blackwell path of :func:`scaled_matmul`.
+    Raises:
+      TypeError: q is not a QArray.
+      ValueError: q is not 2-D blocked along axis 1, or not nvfp4 / MX.
+    """
+    _check_qarray(q, "q")
+    if q.ndim != 2 or q.axis != 1 or q.fmt.family not in _SCALED_FAMILIES:
+        raise ValueError(f"q: expected a 2-D nvfp4 or MX QArray blocked along axis 1, got "
+                         f"{q.format!r} of shape {q.shape} blocked along axis {q.axis}")
+    (codes, scales, _, _), _, k = _qarray_rows(q)
+    data, s = primitives.scaled_matmul_operand(codes, scales, q.format, k)
+    return data, s, q.tensor_scale
+
+
 to_blocked = layout.to_blocked
 from_blocked = layout.from_blocked

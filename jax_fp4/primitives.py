@@ -20,8 +20,8 @@ from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from . import _ext, reference
-from .formats import get_format
+from . import _ext, layout, reference
+from .formats import decode_table, get_format
 
 BACKENDS = ("auto", "reference", "kernels")
 _backend = [None]
@@ -499,10 +499,66 @@ def _scaled_matmul_batch(args, dims, **params):
     return jax.vmap(fn, in_axes=dims)(*args), 0
 
 
+# cuDNN's block-scaled GEMM (jax.nn.scaled_matmul on sm_100+) takes these operand pairs.
+CUDNN_SCALED_PAIRS = {("nvfp4", "nvfp4"), ("mxfp8_e4m3", "mxfp8_e4m3"),
+                      ("mxfp8_e4m3", "mxfp8_e5m2"), ("mxfp8_e5m2", "mxfp8_e4m3"),
+                      ("mxfp8_e5m2", "mxfp8_e5m2")}
+# element dtype of each format in jax.nn.scaled_matmul (MXFP6 widened exactly to FP8)
+_SCALED_ELEM_DTYPES = {"nvfp4": jnp.float4_e2m1fn, "mxfp4": jnp.float4_e2m1fn,
+                       "mxfp6_e2m3": jnp.float8_e4m3fn, "mxfp6_e3m2": jnp.float8_e5m2,
+                       "mxfp8_e4m3": jnp.float8_e4m3fn, "mxfp8_e5m2": jnp.float8_e5m2}
+
+
+def scaled_matmul_operand(codes, scales, fmt, k):
+    """FFI-layout buffers of an (R, K) nvfp4 / MX operand -> (data (1, R, K), scales
+    (1, R, K/block)) as ``jax.nn.scaled_matmul`` takes them: elements as float4_e2m1fn /
+    float8 (E2M3 and E3M2 widened exactly to E4M3 / E5M2), linear float8_e4m3fn (nvfp4) or
+    float8_e8m0fnu (MX) block scales. jax swizzles the scales to cuBLASLt's 128x4 tiles
+    itself (jax/_src/cudnn/scaled_matmul_stablehlo.py); the NVFP4 per-tensor scale is not
+    part of that API and is applied to the result."""
+    f = get_format(fmt)
+    r = codes.shape[0]
+    c = layout.unpack(codes, f.bits).reshape(r, k)
+    data = jnp.asarray(decode_table(f.elem))[c.astype(jnp.int32)]
+    data = data.astype(_SCALED_ELEM_DTYPES[fmt])
+    sdt = jnp.float8_e4m3fn if f.family == "nvfp4" else jnp.float8_e8m0fnu
+    return data[None], lax.bitcast_convert_type(scales, sdt)[None]
+
+
+def scaled_matmul_cudnn(a_codes, a_scales, a_ts, b_codes, b_scales, b_ts, alpha, bias, *,
+                        a_fmt, b_fmt, k, out_dtype, impl):
+    """Blackwell path: ``jax.nn.scaled_matmul`` (cuDNN block-scaled GEMM) on the operands
+    of :func:`scaled_matmul_operand`, then tensor scales, alpha, bias."""
+    a, sa = scaled_matmul_operand(a_codes, a_scales, a_fmt, k)
+    b, sb = scaled_matmul_operand(b_codes, b_scales, b_fmt, k)
+    d = jax.nn.scaled_matmul(a, b, sa, sb, preferred_element_type=jnp.float32)[0]
+    if get_format(a_fmt).family == "nvfp4":
+        d = d * a_ts[:, None]
+    if get_format(b_fmt).family == "nvfp4":
+        d = d * b_ts[None, :]
+    return (d * alpha + bias[None, :]).astype(out_dtype)
+
+
+def _compute_capability():
+    """Major compute capability of the first GPU (0 when unknown)."""
+    try:
+        cc = getattr(jax.devices("gpu")[0], "compute_capability", "0")
+        return int(str(cc).split(".")[0])
+    except (RuntimeError, ValueError):
+        return 0
+
+
+def _scaled_matmul_cuda(*args, **params):
+    """sm_100+ and a cuDNN pair: jax.nn.scaled_matmul; else the exact-bf16 path."""
+    if _compute_capability() >= 10 and (params["a_fmt"], params["b_fmt"]) in CUDNN_SCALED_PAIRS:
+        return scaled_matmul_cudnn(*args, **params)
+    return scaled_matmul_bf16(*args, **params)
+
+
 _def_impl(scaled_matmul_p)
 scaled_matmul_p.def_abstract_eval(_scaled_matmul_abstract)
 batching.primitive_batchers[scaled_matmul_p] = _scaled_matmul_batch
 _register_lowerings(scaled_matmul_p, None, _scaled_matmul_ref,
                     kernel_impl=_scaled_matmul_kernels,
                     cuda_impl=("jax_fp4_dequantize_v1", lambda avals, params: True,
-                               scaled_matmul_bf16))
+                               _scaled_matmul_cuda))

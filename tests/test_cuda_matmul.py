@@ -131,3 +131,27 @@ def test_cuda_scaled_matmul_matches_reference(a_fmt, b_fmt, rng):
     bound = k * 2.0**-22 * (0.5 * np.abs(ad) @ np.abs(bd).T + np.abs(np.asarray(bias))[None])
     err = np.abs(np.asarray(got, np.float64) - exact)
     assert (err <= bound).all(), f"{a_fmt} x {b_fmt}: max err {err.max()} bound {bound.min()}"
+
+
+@pytest.mark.parametrize("a_fmt,b_fmt", [("nvfp4", "nvfp4"), ("mxfp8_e4m3", "mxfp8_e5m2")])
+def test_blackwell_path_through_xla_fallback(a_fmt, b_fmt, rng):
+    """The sm_100+ path (jax.nn.scaled_matmul on our operands) run where XLA decomposes
+    its block-scaled dot itself (Hopper): equal to the reference to float32 rounding."""
+    import functools
+
+    from jax_fp4.ops import _qarray_rows
+
+    m, n, k = 128, 64, 256
+    kw = {"tensor_scale": "auto"} if a_fmt == "nvfp4" else {}
+    a = jf.quantize(jnp.asarray(rng.standard_normal((m, k)), jnp.float32), a_fmt, axis=1, **kw)
+    b = jf.quantize(jnp.asarray(rng.standard_normal((n, k)), jnp.float32), b_fmt, axis=1, **kw)
+    (ac, asc, _, ats), _, _ = _qarray_rows(a)
+    (bc, bsc, _, bts), _, _ = _qarray_rows(b)
+    fn = functools.partial(primitives.scaled_matmul_cudnn, a_fmt=a_fmt, b_fmt=b_fmt, k=k,
+                           out_dtype=np.dtype(np.float32), impl="auto")
+    args = jax.device_put((ac, asc, ats, bc, bsc, bts, jnp.float32(1.0), jnp.zeros(n)), _gpu())
+    got = np.asarray(jax.jit(fn)(*args), np.float64)
+    ad = np.asarray(jax.device_put(a, _cpu()).dequantize(jnp.float32), np.float64)
+    bd = np.asarray(jax.device_put(b, _cpu()).dequantize(jnp.float32), np.float64)
+    bound = k * 2.0**-22 * (np.abs(ad) @ np.abs(bd).T)
+    assert (np.abs(got - ad @ bd.T) <= bound).all()

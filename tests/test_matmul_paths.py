@@ -82,3 +82,48 @@ def test_fused_wmatmul_size_rule():
     assert not ok(avals(4, 48), dict(fmt="nvfp4", block_size=16))  # K % 32
     assert not ok(avals(4, 288), dict(fmt="int4", block_size=48))  # odd group size
     assert not ok(avals(4, 256), dict(fmt="mxfp8_e4m3", block_size=32))  # 8-bit weights
+
+
+@pytest.mark.parametrize("a_fmt,b_fmt", [("nvfp4", "nvfp4"), ("mxfp8_e4m3", "mxfp8_e5m2"),
+                                         ("mxfp4", "mxfp4"), ("mxfp6_e2m3", "mxfp6_e3m2")])
+def test_scaled_matmul_operands_follow_jax_nn_scaled_matmul(a_fmt, b_fmt, rng):
+    """The Blackwell path's operands, multiplied by jax.nn.scaled_matmul's documented
+    formula (a * repeat(a_scales), einsum over K; cuDNN itself cannot run here), times the
+    NVFP4 tensor scales, equal the reference scaled_matmul."""
+    m, n, k = 16, 24, 128
+    kw = {"tensor_scale": "auto"} if a_fmt == "nvfp4" else {}
+    a = jf.quantize(jnp.asarray(rng.standard_normal((m, k)) * 5, jnp.float32), a_fmt, axis=1, **kw)
+    b = jf.quantize(jnp.asarray(rng.standard_normal((n, k)), jnp.float32), b_fmt, axis=1, **kw)
+    da, sa, ta = jf.scaled_matmul_operands(a)
+    db, sb, tb = jf.scaled_matmul_operands(b)
+    assert da.shape == (1, m, k) and sa.shape == (1, m, k // a.block_size)
+    assert sa.dtype == (jnp.float8_e4m3fn if a_fmt == "nvfp4" else jnp.float8_e8m0fnu)
+    if a_fmt in ("nvfp4", "mxfp4"):
+        assert da.dtype == jnp.float4_e2m1fn
+
+    def scaled(d, s):
+        return np.asarray(d, np.float64) * np.repeat(np.asarray(s.astype(jnp.float32), np.float64),
+                                                     k // s.shape[-1], axis=-1)
+
+    got = np.einsum("bmk,bnk->mn", scaled(da, sa), scaled(db, sb))
+    if ta is not None:
+        got = got * float(ta) * float(tb)
+    want = np.asarray(jf.scaled_matmul(a, b, out_dtype=jnp.float32), np.float64)
+    ad = np.asarray(a.dequantize(jnp.float32), np.float64)
+    bd = np.asarray(b.dequantize(jnp.float32), np.float64)
+    bound = k * 2.0**-22 * (np.abs(ad) @ np.abs(bd).T)
+    assert (np.abs(got - want) <= bound).all()
+    # the operands hold the exact element values: data * scale == dequantize (with a
+    # tensor scale the reference rounds ts * s and the product to float32 once each)
+    if ta is None:
+        np.testing.assert_array_equal(scaled(da, sa)[0], ad)
+    else:
+        np.testing.assert_allclose(scaled(da, sa)[0] * float(ta), ad, rtol=2.0**-23, atol=0)
+
+
+def test_scaled_matmul_operands_errors():
+    q = jf.quantize(jnp.ones((4, 64)), "nf4", axis=1)
+    with pytest.raises(ValueError, match="q: expected a 2-D nvfp4 or MX QArray"):
+        jf.scaled_matmul_operands(q)
+    with pytest.raises(TypeError):
+        jf.scaled_matmul_operands(jnp.ones((4, 64)))
