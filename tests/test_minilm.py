@@ -27,13 +27,6 @@ def reference():
     return meta, emb
 
 
-@pytest.fixture(scope="module")
-def encoder():
-    try:
-        minilm.default_model_dir()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    return minilm.load_sentence_encoder()
 
 
 def test_tokenization_matches_reference(encoder, reference):

@@ -148,15 +148,22 @@ def _resolve_axis(axis, path, leaf):
     return int(ax) % 2
 
 
+def _fits_block(path, what, k, f, block_size, strict, skipped):
+    """Whether contraction length k is a multiple of the block size; if not, raise
+    (strict) or record ``path`` in ``skipped``."""
+    bs = f.default_block if block_size is None else block_size
+    if k % bs == 0:
+        return True
+    if strict:
+        raise ValueError(f"{path}: {what} {k} is not a multiple of the {f.name} block size {bs}")
+    skipped.append(f"{path} (K={k} not a multiple of {bs})")
+    return False
+
+
 def _quantize_leaf(path, leaf, f, kw, axis, strict, skipped):
     ax = _resolve_axis(axis, path, leaf)
-    bs = f.default_block if kw["block_size"] is None else kw["block_size"]
-    k = leaf.shape[ax]
-    if k % bs:
-        if strict:
-            raise ValueError(f"{path}: contraction axis {ax} has length {k}, not a multiple "
-                             f"of the {f.name} block size {bs}")
-        skipped.append(f"{path} (K={k} not a multiple of {bs})")
+    if not _fits_block(path, f"contraction axis {ax} has length", leaf.shape[ax], f,
+                       kw["block_size"], strict, skipped):
         return leaf
     x = jnp.asarray(leaf)
     if x.dtype == jnp.float64:
@@ -242,13 +249,8 @@ def quantize_params(tree, format: str = "nvfp4", *, filter: Filter = None, axis=
                 wpath = f"{p}.weight" if p else "weight"
                 if not pred(wpath, leaf.weight):
                     return leaf
-                k = leaf.weight.shape[1]
-                bs = f.default_block if block_size is None else block_size
-                if k % bs:
-                    if strict:
-                        raise ValueError(f"{wpath}: in_features {k} is not a multiple of the "
-                                         f"{f.name} block size {bs}")
-                    skipped.append(f"{wpath} (K={k} not a multiple of {bs})")
+                if not _fits_block(wpath, "in_features", leaf.weight.shape[1], f, block_size,
+                                   strict, skipped):
                     return leaf
                 return EqxQuantizedLinear.from_linear(
                     leaf, format, block_size=block_size, tensor_scale=tensor_scale,
