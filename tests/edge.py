@@ -68,3 +68,21 @@ def assert_bits_equal(a, b, msg=""):
         bad = np.argwhere(~eq)[:5]
         raise AssertionError(f"{msg}: {int((~eq).sum())} of {eq.size} differ; first at "
                              f"{bad.tolist()}: {a[tuple(bad.T)]} vs {b[tuple(bad.T)]}")
+
+
+def assert_matmul_close(got, a, b, *, scale=1.0, bias=None, msg=""):
+    """got ~ scale * a @ b (+ bias) to float32-accumulation rounding: the exact float64
+    result, with |error| <= K * 2^-22 * (|scale| |a| @ |b| + |bias|) element-wise (a
+    wrong operand, index or scale shows as an error of the order of the sum itself)."""
+    a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    exact = scale * (a64 @ b64)
+    mag = abs(scale) * (np.abs(a64) @ np.abs(b64))
+    if bias is not None:
+        exact = exact + np.asarray(bias, np.float64)
+        mag = mag + np.abs(np.asarray(bias, np.float64))
+    err = np.abs(np.asarray(got, np.float64) - exact)
+    bound = a64.shape[-1] * 2.0**-22 * mag + 1e-30
+    bad = ~(err <= bound)
+    assert not bad.any(), (f"{msg}: {bad.sum()} of {bad.size} beyond float32 rounding; max "
+                           f"error {err.max():.3g}, got {np.asarray(got)[bad][:3]}, "
+                           f"want {exact[bad][:3]}")

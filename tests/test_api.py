@@ -9,7 +9,7 @@ import jax_fp4 as jf
 from jax_fp4 import reference
 from jax_fp4.formats import FORMAT_NAMES, get_format
 
-from edge import assert_bits_equal, make_input
+from edge import assert_bits_equal, assert_matmul_close, make_input
 
 
 def _bs(fmt):
@@ -130,8 +130,7 @@ def test_scan_over_stacked_qarray(rng):
     _, ys = jax.lax.scan(layer, x, qs)
     for i in range(4):
         qi = jf.quantize(w[i], "nvfp4", axis=0)
-        np.testing.assert_allclose(np.asarray(ys[i]), np.asarray(x @ qi.dequantize()),
-                                   rtol=1e-5, atol=1e-5)
+        assert_matmul_close(ys[i], x, qi.dequantize(), msg=f"layer {i}")
 
 
 def test_grad_fake_quantize_is_ste(rng):
@@ -199,8 +198,7 @@ def test_dot_general_variants(rng):
     ql = jf.quantize(jnp.asarray(rng.standard_normal((64, 5)), jnp.float32), "nvfp4", axis=0)
     r = jnp.asarray(rng.standard_normal((64, 4)), jnp.float32)
     got = jf.dot_general(ql, r, (((0,), (0,)), ((), ())))
-    np.testing.assert_allclose(np.asarray(got), np.asarray(ql.dequantize().T @ r), rtol=1e-5,
-                               atol=1e-5)
+    assert_matmul_close(got, np.asarray(ql.dequantize()).T, r, msg="QArray lhs")
     # plain arrays pass through
     np.testing.assert_array_equal(np.asarray(jf.dot_general(r.T, r, (((1,), (0,)), ((), ())))),
                                   np.asarray(r.T @ r))
@@ -211,8 +209,7 @@ def test_flax_style_dense_dot_general(rng):
     kernel = jf.quantize(jnp.asarray(rng.standard_normal((32, 6)), jnp.float32), "nvfp4", axis=0)
     x = jnp.asarray(rng.standard_normal((4, 32)), jnp.float32)
     y = jax.jit(lambda a, k: jf.dot_general(a, k, (((a.ndim - 1,), (0,)), ((), ()))))(x, kernel)
-    np.testing.assert_allclose(np.asarray(y), np.asarray(x @ kernel.dequantize()), rtol=1e-5,
-                               atol=1e-5)
+    assert_matmul_close(y, x, kernel.dequantize(), msg="dense")
 
 
 @pytest.mark.parametrize("fa,fb", [("nvfp4", "nvfp4"), ("mxfp4", "mxfp4"),
@@ -226,8 +223,7 @@ def test_scaled_matmul_matches_float64(fa, fb, rng):
     d = jf.scaled_matmul(qa, qb, alpha=0.5, bias=bias, out_dtype=jnp.float32)
     ad = np.asarray(qa.dequantize(), np.float64)
     bd = np.asarray(qb.dequantize(), np.float64)
-    want = 0.5 * ad @ bd.T + np.arange(7)
-    np.testing.assert_allclose(np.asarray(d), want, rtol=1e-5, atol=1e-5)
+    assert_matmul_close(d, ad, bd.T, scale=0.5, bias=np.arange(7), msg=f"{fa} x {fb}")
     assert jf.scaled_matmul(qa, qb).dtype == jnp.bfloat16
 
 

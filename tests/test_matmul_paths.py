@@ -9,6 +9,8 @@ import jax_fp4 as jf
 from jax_fp4 import primitives
 from jax_fp4.ops import _qarray_rows
 
+from edge import assert_matmul_close
+
 
 @pytest.mark.parametrize("a_fmt,b_fmt", [("nvfp4", "nvfp4"), ("mxfp4", "mxfp4"),
                                          ("mxfp8_e4m3", "mxfp8_e5m2"), ("mxfp6_e3m2", "mxfp8_e4m3")])
@@ -29,10 +31,7 @@ def test_scaled_matmul_bf16_decomposition_equals_reference(a_fmt, b_fmt, rng):
                      np.float64)
     ad = np.asarray(a.dequantize(jnp.float32), np.float64)
     bd = np.asarray(b.dequantize(jnp.float32), np.float64)
-    exact = 0.75 * ad @ bd.T + np.asarray(bias, np.float64)
-    bound = k * 2.0**-22 * (0.75 * np.abs(ad) @ np.abs(bd).T + np.abs(np.asarray(bias)))
-    err = np.abs(got - exact)
-    assert (err <= bound).all(), f"max err {err.max()}"
+    assert_matmul_close(got, ad, bd.T, scale=0.75, bias=bias, msg=f"{a_fmt} x {b_fmt}")
     # and the bf16 operands really are exact: decoding to bf16 loses nothing
     deq = np.asarray(jf.QArray(a.data, a.scales, None, None, format=a_fmt, axis=1, shape=(m, k),
                                dtype=jnp.float32, block_size=a.block_size)
@@ -108,11 +107,9 @@ def test_scaled_matmul_operands_follow_jax_nn_scaled_matmul(a_fmt, b_fmt, rng):
     got = np.einsum("bmk,bnk->mn", scaled(da, sa), scaled(db, sb))
     if ta is not None:
         got = got * float(ta) * float(tb)
-    want = np.asarray(jf.scaled_matmul(a, b, out_dtype=jnp.float32), np.float64)
     ad = np.asarray(a.dequantize(jnp.float32), np.float64)
     bd = np.asarray(b.dequantize(jnp.float32), np.float64)
-    bound = k * 2.0**-22 * (np.abs(ad) @ np.abs(bd).T)
-    assert (np.abs(got - want) <= bound).all()
+    assert_matmul_close(got, ad, bd.T, msg=f"{a_fmt} x {b_fmt} operands")
     # the operands hold the exact element values: data * scale == dequantize (with a
     # tensor scale the reference rounds ts * s and the product to float32 once each)
     if ta is None:
