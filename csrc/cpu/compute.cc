@@ -8,35 +8,49 @@ namespace cpu {
 namespace JF4_ISA_NS {
 namespace {
 
+// Per-thread buffers for one piece (up to t.max_piece_blocks blocks of one row).
+struct PieceBufs {
+  PieceBufs(const Problem& p, const Partition& t)
+      : f(t.max_piece_blocks * p.bs), c(t.max_piece_blocks * p.bs), s(t.max_piece_blocks),
+        z(t.max_piece_blocks), scratch(t.max_piece_blocks) {}
+  Buf<float> f;       // elements in float32
+  Buf<uint8_t> c;     // codes, one per element
+  Buf<uint32_t> s;    // scale bits, one per block
+  Buf<uint8_t> z;     // INT4 zero points (fake-quantize only)
+  BlockScratch scratch;
+};
+
+// Row r's NVFP4 per-tensor scale (two-level only; 0 otherwise) and, when `ok` is given,
+// whether quantize may use it (csrc/codecs.h nvfp4_bad_tensor_scale).
+template <int FMT>
+float row_tensor_scale(const Problem& p, const float* ts, int64_t r, bool* ok = nullptr) {
+  const bool two_level = FMT == kNVFP4 && p.two_level;
+  const float tsr = two_level ? ts[r] : 0.0f;
+  if (ok) *ok = !two_level || !nvfp4_bad_tensor_scale(tsr);
+  return tsr;
+}
+
 template <int FMT, typename T>
 void quantize_units(const Problem& p, const Partition& t, int64_t ub, int64_t ue,
                     const typename T::storage* x, const float* ts, uint8_t* codes, void* scales,
                     uint8_t* zeros) {
-  const int64_t piece = t.max_piece_blocks * p.bs;
-  Buf<float> fbuf(piece);
-  Buf<uint8_t> cbuf(piece);
-  Buf<uint32_t> sbuf(t.max_piece_blocks);
-  BlockScratch scratch(t.max_piece_blocks);
+  PieceBufs b(p, t);
   const int sbytes = scale_bytes(p);
   for_each_piece(p, t, ub, ue, [&](int64_t r, int64_t j0, int64_t j1) {
     const int64_t nblk = j1 - j0;
     const int64_t n = nblk * p.bs;
     const int64_t e0 = j0 * p.bs;
-    float tsr = 0.0f;
-    bool ts_ok = true;
-    if (FMT == kNVFP4 && p.two_level) {
-      tsr = ts[r];
-      ts_ok = !nvfp4_bad_tensor_scale(tsr);
-    }
-    load_f32<T>(x + r * p.K + e0, n, fbuf.data());
+    bool ts_ok;
+    const float tsr = row_tensor_scale<FMT>(p, ts, r, &ts_ok);
+    load_f32<T>(x + r * p.K + e0, n, b.f.data());
     with_block_size<FMT>(p.bs, [&](auto bs_c) {
-      quantize_blocks<FMT, decltype(bs_c)::value>(fbuf.data(), nblk, p.bs, p, tsr, ts_ok,
-                                                  cbuf.data(), sbuf.data(),
+      quantize_blocks<FMT, decltype(bs_c)::value>(b.f.data(), nblk, p.bs, p, tsr, ts_ok,
+                                                  b.c.data(), b.s.data(),
                                                   FMT == kINT4 ? zeros + r * p.nb + j0 : nullptr,
-                                                  scratch);
+                                                  b.scratch);
     });
-    for (int64_t j = 0; j < nblk; ++j) store_scale(scales, r * p.nb + j0 + j, sbytes, sbuf[j]);
-    pack(p.bits, cbuf.data(), n, codes + r * row_bytes(p) + e0 * p.bits / 8);
+    for (int64_t j = 0; j < nblk; ++j) store_scale(scales, r * p.nb + j0 + j, sbytes, b.s[j]);
+    pack(p.bits, b.c.data(), n, codes + r * row_bytes(p) + e0 * p.bits / 8);
   });
 }
 
@@ -44,56 +58,43 @@ template <int FMT, typename T>
 void dequantize_units(const Problem& p, const Partition& t, int64_t ub, int64_t ue,
                       const uint8_t* codes, const void* scales, const uint8_t* zeros,
                       const float* ts, typename T::storage* y) {
-  const int64_t piece = t.max_piece_blocks * p.bs;
-  Buf<float> fbuf(piece);
-  Buf<uint8_t> cbuf(piece);
-  Buf<uint32_t> sbuf(t.max_piece_blocks);
-  BlockScratch scratch(t.max_piece_blocks);
+  PieceBufs b(p, t);
   const int sbytes = scale_bytes(p);
   for_each_piece(p, t, ub, ue, [&](int64_t r, int64_t j0, int64_t j1) {
     const int64_t nblk = j1 - j0;
     const int64_t n = nblk * p.bs;
     const int64_t e0 = j0 * p.bs;
-    const float tsr = (FMT == kNVFP4 && p.two_level) ? ts[r] : 0.0f;
-    unpack(p.bits, codes + r * row_bytes(p) + e0 * p.bits / 8, n, cbuf.data());
-    for (int64_t j = 0; j < nblk; ++j) sbuf[j] = load_scale(scales, r * p.nb + j0 + j, sbytes);
+    const float tsr = row_tensor_scale<FMT>(p, ts, r);  // decode uses it as given
+    unpack(p.bits, codes + r * row_bytes(p) + e0 * p.bits / 8, n, b.c.data());
+    for (int64_t j = 0; j < nblk; ++j) b.s[j] = load_scale(scales, r * p.nb + j0 + j, sbytes);
     with_block_size<FMT>(p.bs, [&](auto bs_c) {
-      decode_blocks<FMT, decltype(bs_c)::value>(cbuf.data(), nblk, p.bs, p, tsr, sbuf.data(),
+      decode_blocks<FMT, decltype(bs_c)::value>(b.c.data(), nblk, p.bs, p, tsr, b.s.data(),
                                                 FMT == kINT4 ? zeros + r * p.nb + j0 : nullptr,
-                                                fbuf.data(), scratch);
+                                                b.f.data(), b.scratch);
     });
-    store_f32<T>(fbuf.data(), n, y + r * p.K + e0);
+    store_f32<T>(b.f.data(), n, y + r * p.K + e0);
   });
 }
 
 template <int FMT, typename T>
 void fake_quantize_units(const Problem& p, const Partition& t, int64_t ub, int64_t ue,
                          const typename T::storage* x, const float* ts, typename T::storage* y) {
-  const int64_t piece = t.max_piece_blocks * p.bs;
-  Buf<float> fbuf(piece);
-  Buf<uint8_t> cbuf(piece);
-  Buf<uint32_t> sbuf(t.max_piece_blocks);
-  Buf<uint8_t> zbuf(t.max_piece_blocks);
-  BlockScratch scratch(t.max_piece_blocks);
+  PieceBufs b(p, t);
   for_each_piece(p, t, ub, ue, [&](int64_t r, int64_t j0, int64_t j1) {
     const int64_t nblk = j1 - j0;
     const int64_t n = nblk * p.bs;
     const int64_t e0 = j0 * p.bs;
-    float tsr = 0.0f;
-    bool ts_ok = true;
-    if (FMT == kNVFP4 && p.two_level) {
-      tsr = ts[r];
-      ts_ok = !nvfp4_bad_tensor_scale(tsr);
-    }
-    load_f32<T>(x + r * p.K + e0, n, fbuf.data());
+    bool ts_ok;
+    const float tsr = row_tensor_scale<FMT>(p, ts, r, &ts_ok);
+    load_f32<T>(x + r * p.K + e0, n, b.f.data());
     with_block_size<FMT>(p.bs, [&](auto bs_c) {
       constexpr int BS = decltype(bs_c)::value;
-      quantize_blocks<FMT, BS>(fbuf.data(), nblk, p.bs, p, tsr, ts_ok, cbuf.data(), sbuf.data(),
-                               zbuf.data(), scratch);
-      decode_blocks<FMT, BS>(cbuf.data(), nblk, p.bs, p, tsr, sbuf.data(), zbuf.data(),
-                             fbuf.data(), scratch);
+      quantize_blocks<FMT, BS>(b.f.data(), nblk, p.bs, p, tsr, ts_ok, b.c.data(), b.s.data(),
+                               b.z.data(), b.scratch);
+      decode_blocks<FMT, BS>(b.c.data(), nblk, p.bs, p, tsr, b.s.data(), b.z.data(),
+                             b.f.data(), b.scratch);
     });
-    store_f32<T>(fbuf.data(), n, y + r * p.K + e0);
+    store_f32<T>(b.f.data(), n, y + r * p.K + e0);
   });
 }
 
