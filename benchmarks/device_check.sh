@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One device call: build, GPU tests, sanitizers, Nsight Compute, benchmarks (METHOD.md:
+# "one script that builds, checks and times in one call"). Logs go to $OUT (or ./out).
+#
+#   bash benchmarks/device_check.sh [build] [test] [sanitize] [ncu] [bench-quant] [bench-matmul]
+#
+# With no arguments: build test sanitize bench-matmul. Each step has its own time limit and
+# a failing step does not stop the next; a short summary is printed last.
+set -u
+OUT=${OUT:-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 CUDAARCHS=${CUDAARCHS:-90a} CMAKE_BUILD_PARALLEL_LEVEL=16
+steps=${*:-build test sanitize bench-matmul}
+t0=$(date +%s)
+say() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
+run() {  # run NAME LIMIT CMD...: time-limited, log in $OUT/NAME.log, GPU freed afterwards
+  local name=$1 limit=$2; shift 2
+  timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  pkill -f "benchmarks/cuda_profile.py" 2>/dev/null || true
+  say "$name rc=$rc"; tail -4 "$OUT/$name.log" | cut -c1-300
+}
+for s in $steps; do
+  case $s in
+    build) run build 300 env JAX_FP4_CUDA=ON python3 -m pip install --no-build-isolation --no-deps -e . ;;
+    test) run test 400 python3 -m pytest -q -ra tests/test_cuda_kernels.py tests/test_cuda_matmul.py ;;
+    sanitize)
+      run memcheck 200 env XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer --tool memcheck python3 benchmarks/cuda_sanitize.py
+      run racecheck 200 compute-sanitizer --tool racecheck python3 benchmarks/cuda_sanitize.py ;;
+    ncu) run ncu 240 ncu --clock-control none --kernel-name regex:"wmatmul|gemm|gemv" \
+           --section SpeedOfLight --section WarpStateStats --section Occupancy --section LaunchStats \
+           python3 benchmarks/cuda_profile.py wmatmul nvfp4 ;;
+    bench-quant) run bench_quant 400 python3 benchmarks/bench_quant.py --results "$OUT/RESULTS_quant.md" ;;
+    bench-matmul) run bench_matmul 500 python3 benchmarks/bench_matmul.py --shapes 8192x28672 28672x8192 \
+           --ms 1 4 16 64 256 1024 --rule-ms 256 --scaled 4096 8192 --results "$OUT/RESULTS_matmul.md" ;;
+    *) say "unknown step $s" ;;
+  esac
+done
+say done
