@@ -30,6 +30,24 @@ float row_tensor_scale(const Problem& p, const float* ts, int64_t r, bool* ok = 
   return tsr;
 }
 
+// Quantizes blocks [j0, j1) of row r into b.c (codes) and b.s (scale bits); INT4 zero
+// points go to `zeros` (one per block). Returns the piece's element count. Shared by
+// quantize and fake-quantize.
+template <int FMT, typename T>
+int64_t quantize_piece(const Problem& p, PieceBufs& b, const typename T::storage* x,
+                       const float* ts, int64_t r, int64_t j0, int64_t j1, uint8_t* zeros) {
+  const int64_t nblk = j1 - j0;
+  const int64_t n = nblk * p.bs;
+  bool ts_ok;
+  const float tsr = row_tensor_scale<FMT>(p, ts, r, &ts_ok);
+  load_f32<T>(x + r * p.K + j0 * p.bs, n, b.f.data());
+  with_block_size<FMT>(p.bs, [&](auto bs_c) {
+    quantize_blocks<FMT, decltype(bs_c)::value>(b.f.data(), nblk, p.bs, p, tsr, ts_ok,
+                                                b.c.data(), b.s.data(), zeros, b.scratch);
+  });
+  return n;
+}
+
 template <int FMT, typename T>
 void quantize_units(const Problem& p, const Partition& t, int64_t ub, int64_t ue,
                     const typename T::storage* x, const float* ts, uint8_t* codes, void* scales,
@@ -37,20 +55,10 @@ void quantize_units(const Problem& p, const Partition& t, int64_t ub, int64_t ue
   PieceBufs b(p, t);
   const int sbytes = scale_bytes(p);
   for_each_piece(p, t, ub, ue, [&](int64_t r, int64_t j0, int64_t j1) {
-    const int64_t nblk = j1 - j0;
-    const int64_t n = nblk * p.bs;
-    const int64_t e0 = j0 * p.bs;
-    bool ts_ok;
-    const float tsr = row_tensor_scale<FMT>(p, ts, r, &ts_ok);
-    load_f32<T>(x + r * p.K + e0, n, b.f.data());
-    with_block_size<FMT>(p.bs, [&](auto bs_c) {
-      quantize_blocks<FMT, decltype(bs_c)::value>(b.f.data(), nblk, p.bs, p, tsr, ts_ok,
-                                                  b.c.data(), b.s.data(),
-                                                  FMT == kINT4 ? zeros + r * p.nb + j0 : nullptr,
-                                                  b.scratch);
-    });
-    for (int64_t j = 0; j < nblk; ++j) store_scale(scales, r * p.nb + j0 + j, sbytes, b.s[j]);
-    pack(p.bits, b.c.data(), n, codes + r * row_bytes(p) + e0 * p.bits / 8);
+    const int64_t n = quantize_piece<FMT, T>(p, b, x, ts, r, j0, j1,
+                                             FMT == kINT4 ? zeros + r * p.nb + j0 : nullptr);
+    for (int64_t j = 0; j < j1 - j0; ++j) store_scale(scales, r * p.nb + j0 + j, sbytes, b.s[j]);
+    pack(p.bits, b.c.data(), n, codes + r * row_bytes(p) + j0 * p.bs * p.bits / 8);
   });
 }
 
@@ -81,20 +89,13 @@ void fake_quantize_units(const Problem& p, const Partition& t, int64_t ub, int64
                          const typename T::storage* x, const float* ts, typename T::storage* y) {
   PieceBufs b(p, t);
   for_each_piece(p, t, ub, ue, [&](int64_t r, int64_t j0, int64_t j1) {
-    const int64_t nblk = j1 - j0;
-    const int64_t n = nblk * p.bs;
-    const int64_t e0 = j0 * p.bs;
-    bool ts_ok;
-    const float tsr = row_tensor_scale<FMT>(p, ts, r, &ts_ok);
-    load_f32<T>(x + r * p.K + e0, n, b.f.data());
+    const int64_t n = quantize_piece<FMT, T>(p, b, x, ts, r, j0, j1, b.z.data());
+    const float tsr = row_tensor_scale<FMT>(p, ts, r);
     with_block_size<FMT>(p.bs, [&](auto bs_c) {
-      constexpr int BS = decltype(bs_c)::value;
-      quantize_blocks<FMT, BS>(b.f.data(), nblk, p.bs, p, tsr, ts_ok, b.c.data(), b.s.data(),
-                               b.z.data(), b.scratch);
-      decode_blocks<FMT, BS>(b.c.data(), nblk, p.bs, p, tsr, b.s.data(), b.z.data(),
-                             b.f.data(), b.scratch);
+      decode_blocks<FMT, decltype(bs_c)::value>(b.c.data(), j1 - j0, p.bs, p, tsr, b.s.data(),
+                                                b.z.data(), b.f.data(), b.scratch);
     });
-    store_f32<T>(b.f.data(), n, y + r * p.K + e0);
+    store_f32<T>(b.f.data(), n, y + r * p.K + j0 * p.bs);
   });
 }
 
