@@ -69,10 +69,15 @@ def op_bytes(op, fmt, n, dtype):
 
 
 def make_fn(op, spec, r):
-    """spec: a format name, or "nvfp4:auto" for NVFP4 with the per-tensor scale computed in
-    the op (one amax reduction pass + one quantize pass)."""
-    fmt, _, auto = spec.partition(":")
-    kw = {"tensor_scale": "auto"} if auto else {}
+    """spec: a format name with optional ":auto" (NVFP4 with the per-tensor scale computed
+    in the op: one amax pass + one quantize pass) and ":swizzled" (scales written in the
+    128x4 layout) suffixes."""
+    fmt, *opts = spec.split(":")
+    kw = {}
+    if "auto" in opts:
+        kw["tensor_scale"] = "auto"
+    if "swizzled" in opts and op == "quantize":
+        kw["scale_layout"] = "swizzled"
 
     def one(x):
         if op == "quantize":
@@ -88,9 +93,9 @@ def make_fn(op, spec, r):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--sizes", nargs="+", default=["16MiB", "1GiB"])
-    ap.add_argument("--formats", nargs="+", default=["nvfp4", "nvfp4:auto", "mxfp4",
-                                                      "mxfp8_e4m3", "nf4", "int4", "mxfp6_e2m3",
-                                                      "bnb_fp4"])
+    ap.add_argument("--formats", nargs="+", default=[
+        "nvfp4", "nvfp4:auto", "nvfp4:swizzled", "mxfp4", "mxfp8_e4m3", "nf4", "int4",
+        "mxfp6_e2m3", "bnb_fp4"])
     ap.add_argument("--ops", nargs="+", default=["quantize", "dequantize", "fake_quantize"])
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--no-reference", action="store_true")
@@ -112,6 +117,8 @@ def main(argv=None):
             for op in args.ops:
                 inputs = xs
                 base = fmt.partition(":")[0]
+                if op == "fake_quantize" and "swizzled" in fmt:
+                    continue  # fake-quantize has no scales
                 if op == "dequantize":
                     if fmt != base:
                         continue  # dequantize does not depend on how the scale was chosen

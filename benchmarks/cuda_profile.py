@@ -1,6 +1,6 @@
 """Driver for Nsight Compute: one call of each CUDA kernel.
 
-Quantize / dequantize of a 256 MiB bf16 input:
+Quantize / dequantize / fake-quantize of a 256 MiB bf16 input:
 
   ncu --clock-control none --kernel-name regex:"quantize|dequantize" --launch-skip 0 \
       --section SpeedOfLight --section WarpStateStats python benchmarks/cuda_profile.py nf4
@@ -34,5 +34,6 @@ else:
     x = jax.random.normal(jax.random.key(0), (16384, 8192), jnp.bfloat16)
     q = jax.jit(lambda v: jf.quantize(v, mode))(x)
     y = jax.jit(jf.dequantize)(q)
-    jax.block_until_ready(y)
+    z = jax.jit(lambda v: jf.fake_quantize(v, mode))(x)
+    jax.block_until_ready((y, z))
     print("profiled", mode)

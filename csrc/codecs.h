@@ -15,6 +15,11 @@
 #include <cstring>
 
 #ifdef __CUDACC__
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#endif
+
+#ifdef __CUDACC__
 #define JF4_HD __host__ __device__ __forceinline__
 #else
 #define JF4_HD inline
@@ -192,7 +197,15 @@ JF4_HD float decode_minifloat(uint32_t c) {
 JF4_HD uint32_t e2m1_encode(float x) { return encode_minifloat<2, 1, 1, 0x7u>(x); }
 JF4_HD uint32_t e2m3_encode(float x) { return encode_minifloat<2, 3, 1, 0x1fu>(x); }
 JF4_HD uint32_t e3m2_encode(float x) { return encode_minifloat<3, 2, 3, 0x1fu>(x); }
-JF4_HD uint32_t e4m3_encode(float x) { return encode_minifloat<4, 3, 7, 0x7eu>(x); }
+JF4_HD uint32_t e4m3_encode(float x) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  // cvt.rn.satfinite.e4m3x2.f32: the same RNE with saturation to 448 (a NaN input would
+  // give NaN instead of 448; no caller passes one, they all clamp first)
+  return __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3);
+#else
+  return encode_minifloat<4, 3, 7, 0x7eu>(x);
+#endif
+}
 JF4_HD uint32_t e5m2_encode(float x) { return encode_minifloat<5, 2, 15, 0x7bu>(x); }
 
 JF4_HD float e2m1_decode(uint32_t c) { return decode_minifloat<2, 1, 1>(c & 0xfu); }
@@ -201,6 +214,10 @@ JF4_HD float e3m2_decode(uint32_t c) { return decode_minifloat<3, 2, 3>(c & 0x3f
 // float8_e4m3fn: no Inf; S.1111.111 is NaN.
 JF4_HD float e4m3_decode(uint32_t c) {
   c &= 0xffu;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  // cvt.rn.f16x2.e4m3x2 (exact) then f16 -> f32 (exact)
+  return __half2float(__half(__nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(c), __NV_E4M3)));
+#endif
   return (c & 0x7fu) == 0x7fu ? f32_nan() : decode_minifloat<4, 3, 7>(c);
 }
 // float8_e5m2: IEEE-like; exponent 31 is Inf (m == 0) or NaN.
@@ -631,6 +648,11 @@ JF4_HD void unpack_codes(const uint8_t* __restrict__ in, int64_t n, uint8_t* __r
 JF4_HD int64_t swizzle_offset(int64_t m, int64_t k, int64_t n_col_blocks) {
   return (m / 128) * n_col_blocks * 512 + (k / 4) * 512 + (m % 32) * 16 +
          ((m % 128) / 32) * 4 + (k % 4);
+}
+// Offset of the scale of block k of row m (nb blocks per row) in a linear (row-major)
+// or 128x4 swizzled scale buffer.
+JF4_HD int64_t scale_offset(int64_t m, int64_t k, int64_t nb, bool swizzled) {
+  return swizzled ? swizzle_offset(m, k, (nb + 3) / 4) : m * nb + k;
 }
 
 }  // inline namespace JF4_ISA_TAG

@@ -71,7 +71,7 @@ def _tensor_scale(tensor_scale, x):
         if tensor_scale != "auto":
             raise ValueError(f"tensor_scale: expected None, 'auto' or a float32 scalar, got "
                              f"{tensor_scale!r}")
-        return reference.tensor_scale_from_amax(reference.amax(x))
+        return reference.tensor_scale_from_amax(primitives.amax(x.reshape(-1, x.shape[-1])))
     ts = jnp.asarray(tensor_scale)
     if ts.shape != ():
         raise ValueError(f"tensor_scale: expected a scalar, got shape {ts.shape}")
@@ -158,15 +158,14 @@ def quantize(x, format="nvfp4", *, axis=-1, tensor_scale=None, block_size=None,
     f, x, axis, x2, rest, ts, params = _prepare(x, format, axis, block_size, tensor_scale,
                                                 scale_layout, scale_rounding, scale_dtype)
     rows, k = x2.shape
-    codes, scales, zeros = primitives.quantize_p.bind(x2, _row_ts(ts, rows), **params)
+    codes, scales, zeros = primitives.quantize_p.bind(
+        x2, _row_ts(ts, rows), swizzled=scale_layout == "swizzled", **params)
     data = codes.reshape(rest + (codes.shape[-1],))
     if f.bits == 8:
         data = lax.bitcast_convert_type(data, f.elem.np_dtype)
     if f.family in ("nvfp4", "mx"):
         scales = lax.bitcast_convert_type(scales, f.scale_dtype)
-    if scale_layout == "swizzled":
-        scales = layout.to_blocked(scales).reshape(layout.swizzled_shape(*scales.shape))
-    else:
+    if scale_layout == "linear":
         scales = scales.reshape(rest + (scales.shape[-1],))
     return QArray(data, scales, ts, zeros.reshape(rest + (zeros.shape[-1],))
                   if f.family == "int4" else None, format=f.name, axis=axis, shape=x.shape,

@@ -163,31 +163,44 @@ quantize_p = Primitive("jax_fp4_quantize")
 quantize_p.multiple_results = True
 
 
-def _quantize_abstract(x, ts, *, fmt, block_size, rceil, two_level, scale_dtype, impl):
+def _quantize_abstract(x, ts, *, fmt, block_size, rceil, two_level, scale_dtype, swizzled,
+                       impl):
     f = get_format(fmt)
     r, k = x.shape
     nb = k // block_size
     codes = jax.core.ShapedArray((r, k * f.bits // 8), np.uint8)
-    scales = jax.core.ShapedArray((r, nb), _scale_dtype(f, scale_dtype))
+    scales = jax.core.ShapedArray(layout.swizzled_shape(r, nb) if swizzled else (r, nb),
+                                  _scale_dtype(f, scale_dtype))
     zeros = jax.core.ShapedArray((r, nb) if f.family == "int4" else (0,), np.uint8)
     return codes, scales, zeros
 
 
-def _quantize_ref(x, ts, *, fmt, block_size, rceil, two_level, scale_dtype, impl):
-    return reference.quantize_2d(x, fmt, block_size, tensor_scale=ts if two_level else None,
-                                 rceil=rceil, scale_dtype=scale_dtype)
+def _swizzle(scales):
+    """(R, nb) linear scales -> the 2-D 128x4 layout (layout.swizzled_shape)."""
+    return layout.to_blocked(scales).reshape(layout.swizzled_shape(*scales.shape))
 
 
-def _quantize_batch(args, dims, **params):
+def _quantize_ref(x, ts, *, fmt, block_size, rceil, two_level, scale_dtype, swizzled, impl):
+    codes, scales, zeros = reference.quantize_2d(
+        x, fmt, block_size, tensor_scale=ts if two_level else None, rceil=rceil,
+        scale_dtype=scale_dtype)
+    return codes, _swizzle(scales) if swizzled else scales, zeros
+
+
+def _quantize_batch(args, dims, *, swizzled, **params):
+    """Rows of all batch members go to one call; swizzled scales are tiled per member."""
     x, ts = args
     b = x.shape[dims[0]] if dims[0] is not None else ts.shape[dims[1]]
     x, ts = _at_front(x, dims[0], b), _at_front(ts, dims[1], b)
-    outs = quantize_p.bind(_fold(x), _fold(ts), **params)
-    return [_unfold(o, b) for o in outs], [0, 0, 0]
+    outs = [_unfold(o, b) for o in
+            quantize_p.bind(_fold(x), _fold(ts), swizzled=False, **params)]
+    if swizzled:
+        outs[1] = jax.vmap(_swizzle)(outs[1])
+    return outs, [0, 0, 0]
 
 
-def _quantize_ffi_attrs(*, fmt, block_size, rceil, two_level, **_):
-    return _attrs(fmt, block_size, rceil=rceil, two_level=two_level)
+def _quantize_ffi_attrs(*, fmt, block_size, rceil, two_level, swizzled=False, **_):
+    return _attrs(fmt, block_size, rceil=rceil, two_level=two_level, swizzled=swizzled)
 
 
 _def_impl(quantize_p)
@@ -271,6 +284,10 @@ def _fake_quantize_batch(args, dims, **params):
     return _unfold(fake_quantize_p.bind(_fold(x), _fold(ts), **params), b), 0
 
 
+def _fake_quantize_ffi_attrs(*, fmt, block_size, rceil, two_level, **_):
+    return _attrs(fmt, block_size, rceil=rceil, two_level=two_level)
+
+
 def ste_mask(x, ts, **params):
     """Where the straight-through estimator passes the gradient: finite x inside the
     representable range of its block, |x| <= max_elem * block scale (* tensor scale).
@@ -279,7 +296,7 @@ def ste_mask(x, ts, **params):
     xf = x.astype(jnp.float32)
     if f.family not in ("nvfp4", "mx"):
         return jnp.isfinite(xf)
-    _, scales, _ = quantize_p.bind(x, ts, **params)
+    _, scales, _ = quantize_p.bind(x, ts, swizzled=False, **params)
     r, k = x.shape
     bs = params["block_size"]
     if f.family == "nvfp4":
@@ -298,7 +315,7 @@ def _fake_quantize_jvp(primals, tangents, **params):
     dx, _ = tangents
     y = fake_quantize_p.bind(x, ts, **params)
     if type(dx) is ad.Zero:
-        return y, ad.Zero.from_primal_value(y)
+        return y, jnp.zeros_like(y)
     return y, jnp.where(ste_mask(x, ts, **params), dx, jnp.zeros_like(dx))
 
 
@@ -307,7 +324,51 @@ fake_quantize_p.def_abstract_eval(lambda x, ts, **_: jax.core.ShapedArray(x.shap
 batching.primitive_batchers[fake_quantize_p] = _fake_quantize_batch
 ad.primitive_jvps[fake_quantize_p] = _fake_quantize_jvp
 _register_lowerings(fake_quantize_p, "jax_fp4_fake_quantize_v1", _fake_quantize_ref,
-                    ffi_attrs=_quantize_ffi_attrs, fixed_scale_dtype=True)
+                    ffi_attrs=_fake_quantize_ffi_attrs, fixed_scale_dtype=True)
+
+
+# ------------------------------------------------------------------------ amax
+amax_p = Primitive("jax_fp4_amax")
+
+
+def _amax_ref(x, *, impl):
+    return reference.amax(x)
+
+
+def _amax_batch(args, dims, *, impl):
+    """Per batch member: the reference's integer max over the member's elements."""
+    x = jnp.moveaxis(args[0], dims[0], 0)
+    b = reference.to_f32_bits(x) & 0x7FFFFFFF
+    return lax.bitcast_convert_type(jnp.max(b, axis=(1, 2), initial=jnp.uint32(0)),
+                                    jnp.float32), 0
+
+
+def _amax_jvp(primals, tangents, *, impl):
+    """No tangent, like the reference (an integer max of the bit patterns)."""
+    y = amax_p.bind(*primals, impl=impl)
+    return y, jnp.zeros_like(y)
+
+
+def _amax_cuda_rule(ctx, x, *, impl):
+    if impl != "reference" and _has_target("jax_fp4_amax_v1", "cuda"):
+        return jax.ffi.ffi_lowering("jax_fp4_amax_v1")(ctx, x)
+    return _amax_ref_rule(ctx, x, impl=impl)
+
+
+def amax(x):
+    """max |x| of a 2-D (R, K) float32/bfloat16/float16 array as a float32 scalar, NaN if
+    any element is NaN (reference.amax); on CUDA one read of x by jax_fp4_amax_v1 (the
+    first pass of NVFP4 tensor_scale="auto")."""
+    return amax_p.bind(x, impl=get_backend())
+
+
+_def_impl(amax_p)
+amax_p.def_abstract_eval(lambda x, **_: jax.core.ShapedArray((), np.float32))
+batching.primitive_batchers[amax_p] = _amax_batch
+ad.primitive_jvps[amax_p] = _amax_jvp
+_amax_ref_rule = mlir.lower_fun(_amax_ref, multiple_results=False)
+mlir.register_lowering(amax_p, _amax_ref_rule)
+mlir.register_lowering(amax_p, _amax_cuda_rule, platform="cuda")
 
 
 # ------------------------------------------------------------------------ W4A16 matmul

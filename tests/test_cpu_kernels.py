@@ -25,6 +25,7 @@ if not _ext.build_info():  # only when the compiled extension could not be impor
                 allow_module_level=True)
 
 from jax_fp4 import formats, reference as ref  # noqa: E402
+from jax_fp4.layout import swizzled_shape, to_blocked  # noqa: E402
 
 CPU = jax.devices("cpu")[0]
 SEED = int(os.environ.get("JAX_FP4_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
@@ -75,15 +76,17 @@ def _scale_dtype(fmt, scale_dtype):
     return np.dtype(np.float32) if fmt in ("nf4", "bnb_fp4") else np.dtype(np.uint8)
 
 
-def ffi_quantize(x, ts, fmt, bs, *, rceil=False, two_level=False, scale_dtype=None):
+def ffi_quantize(x, ts, fmt, bs, *, rceil=False, two_level=False, scale_dtype=None,
+                 swizzled=False):
     r, k = x.shape
     nb = k // bs
     out = (jax.ShapeDtypeStruct((r, k * BITS[fmt] // 8), jnp.uint8),
-           jax.ShapeDtypeStruct((r, nb), _scale_dtype(fmt, scale_dtype or x.dtype)),
+           jax.ShapeDtypeStruct(swizzled_shape(r, nb) if swizzled else (r, nb),
+                                _scale_dtype(fmt, scale_dtype or x.dtype)),
            jax.ShapeDtypeStruct((r, nb) if fmt == "int4" else (0,), jnp.uint8))
     return jax.ffi.ffi_call("jax_fp4_quantize_v1", out)(
         x, ts, fmt=np.int32(FMT_IDS[fmt]), block_size=np.int64(bs), rceil=np.int32(rceil),
-        two_level=np.int32(two_level))
+        two_level=np.int32(two_level), swizzled=np.int32(swizzled))
 
 
 def ffi_dequantize(codes, scales, zeros, ts, fmt, bs, k, dtype, *, two_level=False):
@@ -332,6 +335,31 @@ def test_quantize_matches_reference(variant, dtype):
         _compare_quantized(got, want, x, ts, fmt, bs, two, _ctx(fmt, bs, opt, dtype, shape))
 
 
+@pytest.mark.parametrize("variant", [("nvfp4", 16, {"two_level": True}), ("mxfp8_e4m3", 32, {}),
+                                     ("nf4", 64, {}), ("int4", 32, {"scale_dtype": "bfloat16"})],
+                         ids=_variant_id)
+def test_quantize_swizzled_scales(variant):
+    """swizzled=1 writes the scales in the 128x4 layout (zero padding included) = the
+    linear scales through layout.to_blocked; codes unchanged."""
+    fmt, bs, opt = variant
+    sdt = opt.get("scale_dtype")
+    two = bool(opt.get("two_level"))
+    for shape in [(129, 5 * bs), (128, 8 * bs), (3, bs)]:
+        rng = _rng("swizzled", fmt, bs, shape)
+        x = make_x(rng, *shape, bs, fmt, DTYPES["bfloat16"])
+        ts = make_ts(rng, x)
+        got = _run(lambda x, ts: ffi_quantize(x, ts, fmt, bs, two_level=two, scale_dtype=sdt,
+                                              swizzled=True), x, ts)
+        want = _run(lambda x, ts: ffi_quantize(x, ts, fmt, bs, two_level=two, scale_dtype=sdt),
+                    x, ts)
+        ctx = _ctx(fmt, bs, opt, "bfloat16", shape)
+        assert got[1].shape == swizzled_shape(*want[1].shape), ctx
+        assert_bytes_equal(got[0], want[0], "codes", ctx)
+        assert_bytes_equal(got[1], _run(lambda s: to_blocked(s).reshape(got[1].shape), want[1]),
+                           "scales", ctx)
+        assert_bytes_equal(got[2], want[2], "zeros", ctx)
+
+
 # fake_quantize rounds INT4 scales to x's dtype: only the matching int4 variants.
 FAKE_CASES = [(v, d) for v in VARIANTS for d in DTYPES
               if v[0] != "int4" or v[2]["scale_dtype"] == d]
@@ -490,10 +518,10 @@ def test_bad_arguments_return_errors():
         jax.ShapeDtypeStruct((4, 64 * fmt_bits // 8), jnp.uint8),
         jax.ShapeDtypeStruct((4, nb), sd), jax.ShapeDtypeStruct(zs, jnp.uint8))
 
-    def call(out, fmt, bs, rceil=0, two=0, x=x, ts=ts):
+    def call(out, fmt, bs, rceil=0, two=0, x=x, ts=ts, swizzled=0):
         return lambda: jax.ffi.ffi_call("jax_fp4_quantize_v1", out)(
             x, ts, fmt=np.int32(fmt), block_size=np.int64(bs), rceil=np.int32(rceil),
-            two_level=np.int32(two))
+            two_level=np.int32(two), swizzled=np.int32(swizzled))
 
     _expect_error(call(q_out(4, 4), 99, 16), match="`fmt`")
     _expect_error(call(q_out(4, 4), -1, 16), match="`fmt`")
@@ -505,6 +533,8 @@ def test_bad_arguments_return_errors():
     _expect_error(call(q_out(6, 2), 0, 32), match="`codes`")             # wrong codes width
     _expect_error(call(q_out(4, 4), 0, 16, two=2), match="`two_level`")
     _expect_error(call(q_out(4, 2), 1, 32, rceil=5), match="`rceil`")
+    _expect_error(call(q_out(4, 4), 0, 16, swizzled=3), match="`swizzled`")
+    _expect_error(call(q_out(4, 4), 0, 16, swizzled=1), match="`scales`")  # needs (32, 16)
     _expect_error(call(q_out(4, 4), 0, 16, ts=np.ones((3,), np.float32)), match="`ts`")
     _expect_error(call(q_out(4, 4), 0, 16, x=x.astype(np.float64) if jax.config.jax_enable_x64
                        else x.astype(np.int32)), match="`x`")

@@ -73,6 +73,44 @@ def test_cuda_matches_reference(fmt, bs, kw, dtype, rng):
                           f"{fmt} {kw} {dtype.__name__} {shape} fake_quantize")
 
 
+@pytest.mark.parametrize("fmt,bs,kw", [("nvfp4", 16, {"tensor_scale": "auto"}),
+                                       ("mxfp8_e4m3", 32, {}), ("mxfp4", 32, {}),
+                                       ("nf4", 64, {})], ids=lambda v: str(v))
+def test_cuda_swizzled_scales_match_reference(fmt, bs, kw, rng):
+    """Scales written by the kernel in the 128x4 layout (padding zero) == reference."""
+    for shape in [(129, 5 * bs), (256, 8 * bs), (1, bs)]:
+        x = jnp.asarray(make_input(rng, *shape, fmt, block_size=bs)).astype(jnp.bfloat16)
+
+        def q(v):
+            qa = jf.quantize(v, fmt, block_size=bs, scale_layout="swizzled", **kw)
+            return qa.data, qa.scales, qa.dequantize()
+
+        for name, g, w in zip(("data", "scales", "deq"), _run(q, x, "kernels", _gpu()),
+                              _run(q, x, "reference", _cpu())):
+            assert_bits_equal(g, w, f"{fmt} swizzled {shape} {name}")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_cuda_amax_matches_reference(dtype, rng):
+    """jax_fp4_amax_v1 == reference.amax: subnormals, -0.0, Inf, NaN, a K that is not a
+    multiple of 8 (the kernel's scalar tail), many CTAs."""
+    from jax_fp4 import primitives, reference
+    for shape, special in [((3, 13), None), ((1000, 1000), "inf"), ((4096, 520), "nan"),
+                           ((7, 9), "sub")]:
+        x = rng.standard_normal(shape).astype(np.float32) * 100
+        if special == "sub":
+            x = x * np.float32(1e-41)
+        elif special is not None:
+            x.flat[rng.integers(x.size)] = -np.inf if special == "inf" else np.nan
+        x.flat[rng.integers(x.size)] = -0.0
+        xd = jnp.asarray(x).astype(dtype)
+        got = _run(primitives.amax, xd, "kernels", _gpu())
+        want = _run(reference.amax, xd, "reference", _cpu())
+        assert_bits_equal(got, want, f"amax {dtype.__name__} {shape} {special}")
+    text = jax.jit(primitives.amax).lower(jax.device_put(xd, _gpu())).as_text()
+    assert "jax_fp4_amax_v1" in text
+
+
 def test_cuda_lowering_uses_our_custom_calls():
     x = jax.device_put(jnp.ones((4, 64), jnp.bfloat16), _gpu())
     text = jax.jit(lambda v: jf.fake_quantize(v, "nvfp4")).lower(x).as_text()

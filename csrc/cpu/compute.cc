@@ -57,7 +57,8 @@ void quantize_units(const Problem& p, const Partition& t, int64_t ub, int64_t ue
   for_each_piece(p, t, ub, ue, [&](int64_t r, int64_t j0, int64_t j1) {
     const int64_t n = quantize_piece<FMT, T>(p, b, x, ts, r, j0, j1,
                                              FMT == kINT4 ? zeros + r * p.nb + j0 : nullptr);
-    for (int64_t j = 0; j < j1 - j0; ++j) store_scale(scales, r * p.nb + j0 + j, sbytes, b.s[j]);
+    for (int64_t j = 0; j < j1 - j0; ++j)
+      store_scale(scales, scale_offset(r, j0 + j, p.nb, p.swizzled), sbytes, b.s[j]);
     pack(p.bits, b.c.data(), n, codes + r * row_bytes(p) + j0 * p.bs * p.bits / 8);
   });
 }

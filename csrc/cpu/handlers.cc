@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <condition_variable>
 #include <memory>
 #include <mutex>
@@ -121,15 +122,18 @@ bool use_avx2() {
 ffi::Error QuantizeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer ts,
                         ffi::Result<ffi::AnyBuffer> codes, ffi::Result<ffi::AnyBuffer> scales,
                         ffi::Result<ffi::AnyBuffer> zeros, int32_t fmt, int64_t block_size,
-                        int32_t rceil, int32_t two_level) {
+                        int32_t rceil, int32_t two_level, int32_t swizzled) {
   const std::string where = "jax_fp4_quantize_v1";
   JF4_RETURN_IF_ERROR(validate_x(where, "x", x));
   Problem p{};
   JF4_RETURN_IF_ERROR(validate_problem(where, fmt, block_size, rceil, two_level,
                                        x.dimensions()[0], x.dimensions()[1], &p));
+  JF4_RETURN_IF_ERROR(validate_swizzled(where, swizzled, &p));
   JF4_RETURN_IF_ERROR(validate_ts(where, p, ts));
   JF4_RETURN_IF_ERROR(validate_quantized(where, &p, *codes, *scales, *zeros));
   if (p.R == 0 || p.K == 0) return ffi::Error::Success();
+  // The 128x4 layout's padding (rows past R, scale columns past nb) holds zero bytes.
+  if (p.swizzled) std::memset(scales->untyped_data(), 0, scales->size_bytes());
   return compute_status(
       JF4_CPU_CALL(quantize, &pool, p, float_type(x.element_type()), x.untyped_data(),
                    static_cast<const float*>(ts.untyped_data()),
@@ -196,7 +200,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4QuantizeV1Cpu, jf4::cpu::QuantizeImpl,
                                   .Attr<int32_t>("fmt")
                                   .Attr<int64_t>("block_size")
                                   .Attr<int32_t>("rceil")
-                                  .Attr<int32_t>("two_level"));
+                                  .Attr<int32_t>("two_level")
+                                  .Attr<int32_t>("swizzled"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4DequantizeV1Cpu, jf4::cpu::DequantizeImpl,
                               xla::ffi::Ffi::Bind()

@@ -22,6 +22,7 @@ struct Problem {
   bool rceil = false;      // MX scale rounding
   bool two_level = false;  // NVFP4 with per-row tensor scale
   int scale_type = 0;      // ScaleType (codecs.h): INT4 scales storage
+  bool swizzled = false;   // quantize: scales in the 128x4 layout (codecs.h scale_offset)
 };
 
 }  // namespace cpu

@@ -49,7 +49,12 @@ inline ffi::Error validate_quantized(const std::string& where, Problem* p,
   if (!is_byte_dtype(codes.element_type()))
     return check_dtype(where, "codes", codes.element_type(), {ffi::DataType::U8});
   JF4_RETURN_IF_ERROR(check_shape(where, "codes", codes.dimensions(), {p->R, p->K * p->bits / 8}));
-  JF4_RETURN_IF_ERROR(check_shape(where, "scales", scales.dimensions(), {p->R, p->nb}));
+  if (p->swizzled) {  // (ceil(R/128)*32, ceil(nb/4)*16) bytes, jax_fp4.layout.swizzled_shape
+    JF4_RETURN_IF_ERROR(check_shape(where, "scales", scales.dimensions(),
+                                    {(p->R + 127) / 128 * 32, (p->nb + 3) / 4 * 16}));
+  } else {
+    JF4_RETURN_IF_ERROR(check_shape(where, "scales", scales.dimensions(), {p->R, p->nb}));
+  }
   const ffi::DataType st = scales.element_type();
   if (p->fmt == kNF4 || p->fmt == kBNB_FP4) {
     JF4_RETURN_IF_ERROR(check_dtype(where, "scales", st, {ffi::DataType::F32}));
@@ -67,6 +72,14 @@ inline ffi::Error validate_quantized(const std::string& where, Problem* p,
     return invalid(where, "buffer `zeros` has shape " + dims_str(zeros.dimensions()) +
                               ", expected (0,) for this format");
   }
+  return ffi::Error::Success();
+}
+
+// Attribute `swizzled` of quantize: 0 (scales (R, nb)) or 1 (the 128x4 layout).
+inline ffi::Error validate_swizzled(const std::string& where, int32_t swizzled, Problem* p) {
+  if (swizzled != 0 && swizzled != 1)
+    return invalid(where, "attribute `swizzled` = " + std::to_string(swizzled) + " must be 0 or 1");
+  p->swizzled = swizzled != 0;
   return ffi::Error::Success();
 }
 

@@ -7,7 +7,12 @@
 // shared memory (G up to 512 = block size 4096). Codes leave as one 4/6/8-byte store. The per-element and per-block arithmetic is
 // csrc/codecs.h, shared with the CPU kernels, so both match the reference bit for bit.
 // Element indices are 64-bit (tensors above 2^31 elements).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
+
+#include <algorithm>
 
 #include <cstdint>
 #include <type_traits>
@@ -28,119 +33,306 @@ using cpu::Problem;
 using cpu::scale_bytes;
 using cpu::validate_problem;
 using cpu::validate_quantized;
+using cpu::validate_swizzled;
 using cpu::validate_ts;
 using cpu::validate_x;
 namespace {
 
-constexpr int kChunk = 8;      // elements per thread
+constexpr int kChunk = 8;      // elements per thread and chunk
 constexpr int kThreads = 512;  // threads per CTA
 
 // ------------------------------------------------------------------ element I/O
-template <typename T>
-struct Io;
-template <>
-struct Io<float> {
+// A chunk of 8 x / y elements moves as raw 16-byte words. Widening to float32 is exact;
+// narrowing uses the hardware round-to-nearest-even conversion (cvt.rn), which is the
+// codecs.h rounding (f32_to_bf16 / f32_to_f16); only NaN payloads may differ, and the
+// spec does not fix those. amax_bits is codecs.h block_absmax_bits of the chunk
+// (max of |x| bits: NaN > Inf > finite), taken on the packed words with DPX min/max.
+struct IoF32 {
   using storage = float;
-  __device__ static void load(const float* p, float* v) {
-    const float4* q = reinterpret_cast<const float4*>(p);
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      float4 f = __ldg(q + i);
-      v[4 * i] = f.x; v[4 * i + 1] = f.y; v[4 * i + 2] = f.z; v[4 * i + 3] = f.w;
-    }
+  struct Raw {
+    uint4 a, b;
+  };
+  __device__ static Raw load(const float* p) {
+    const uint4* q = reinterpret_cast<const uint4*>(p);
+    return {__ldg(q), __ldg(q + 1)};
   }
+  __device__ static Raw zero() { return {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)}; }
+  __device__ static void to_f32(const Raw& r, float* v) {
+    const uint32_t w[8] = {r.a.x, r.a.y, r.a.z, r.a.w, r.b.x, r.b.y, r.b.z, r.b.w};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = u2f(w[i]);
+  }
+  __device__ static uint32_t amax_bits(const Raw& r) {
+    const uint32_t m = kAbsMask;
+    const uint32_t a = __vimax3_u32(r.a.x & m, r.a.y & m, r.a.z & m);
+    const uint32_t b = __vimax3_u32(r.a.w & m, r.b.x & m, r.b.y & m);
+    return __vimax3_u32(a, b, __vimax3_u32(r.b.z & m, r.b.w & m, 0u));
+  }
+  __device__ static float scalar(const float* p) { return *p; }
   __device__ static void store(float* p, const float* v) {
     float4* q = reinterpret_cast<float4*>(p);
-#pragma unroll
-    for (int i = 0; i < 2; ++i) q[i] = make_float4(v[4 * i], v[4 * i + 1], v[4 * i + 2], v[4 * i + 3]);
+    q[0] = make_float4(v[0], v[1], v[2], v[3]);
+    q[1] = make_float4(v[4], v[5], v[6], v[7]);
   }
 };
-// bf16 / f16 as raw uint16 (conversion through codecs.h: exact, RNE, subnormals kept).
+
 template <bool BF16>
 struct Io16 {
   using storage = uint16_t;
-  __device__ static float to_f32(uint32_t h) { return BF16 ? bf16_to_f32(h) : f16_to_f32(h); }
-  __device__ static uint32_t from_f32(float f) { return BF16 ? f32_to_bf16(f) : f32_to_f16(f); }
-  __device__ static void load(const uint16_t* p, float* v) {
-    const uint4* q = reinterpret_cast<const uint4*>(p);
+  using Raw = uint4;
+  __device__ static Raw load(const uint16_t* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+  __device__ static Raw zero() { return make_uint4(0, 0, 0, 0); }
+  __device__ static void to_f32(const Raw& r, float* v) {
+    const uint32_t w[4] = {r.x, r.y, r.z, r.w};
 #pragma unroll
-    for (int i = 0; i < 1; ++i) {
-      uint4 w = __ldg(q + i);
-      uint32_t a[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        v[8 * i + 2 * j] = to_f32(a[j] & 0xffffu);
-        v[8 * i + 2 * j + 1] = to_f32(a[j] >> 16);
+    for (int j = 0; j < 4; ++j) {
+      if constexpr (BF16) {
+        v[2 * j] = u2f(w[j] << 16);
+        v[2 * j + 1] = u2f(w[j] & 0xffff0000u);
+      } else {
+        const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w[j]));
+        v[2 * j] = f.x;
+        v[2 * j + 1] = f.y;
       }
     }
   }
+  __device__ static uint32_t amax_bits(const Raw& r) {
+    const uint32_t m = 0x7fff7fffu;  // |x| of both halves; 16-bit bit order = value order
+    const uint32_t h2 = __vimax3_u16x2(__vimax3_u16x2(r.x & m, r.y & m, r.z & m), r.w & m, 0u);
+    const uint32_t h = max(h2 & 0xffffu, h2 >> 16);
+    if constexpr (BF16) return h << 16;
+    return f2u(__half2float(__ushort_as_half(static_cast<unsigned short>(h))));
+  }
+  __device__ static float scalar(const uint16_t* p) {
+    return BF16 ? bf16_to_f32(*p) : __half2float(__ushort_as_half(*p));
+  }
   __device__ static void store(uint16_t* p, const float* v) {
-    uint4* q = reinterpret_cast<uint4*>(p);
+    uint32_t w[4];
 #pragma unroll
-    for (int i = 0; i < 1; ++i) {
-      uint32_t a[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-        a[j] = from_f32(v[8 * i + 2 * j]) | (from_f32(v[8 * i + 2 * j + 1]) << 16);
-      q[i] = make_uint4(a[0], a[1], a[2], a[3]);
+    for (int j = 0; j < 4; ++j) {
+      if constexpr (BF16) {
+        const __nv_bfloat162 h = __floats2bfloat162_rn(v[2 * j], v[2 * j + 1]);
+        w[j] = *reinterpret_cast<const uint32_t*>(&h);
+      } else {
+        const __half2 h = __floats2half2_rn(v[2 * j], v[2 * j + 1]);
+        w[j] = *reinterpret_cast<const uint32_t*>(&h);
+      }
     }
+    *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
   }
 };
 
 // ------------------------------------------------------------------ code packing
-// 8 codes of `bits` bits -> little-endian bit stream of `bits` bytes at p (4/6/8 B).
+// 8 codes of BITS bits <-> little-endian bit stream in a uint2 (4 / 6 / 8 bytes used),
+// stored as one 4 / 6 (3 x 2) / 8 byte access.
 template <int BITS>
-__device__ void store_codes(uint8_t* p, const uint32_t* c) {
+__device__ uint2 pack8(const uint32_t* c) {
+  uint32_t lo = 0, hi = 0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int bit = BITS * i;
+    if (bit < 32) lo |= c[i] << bit;
+    if (bit + BITS > 32) hi |= bit >= 32 ? c[i] << (bit - 32) : c[i] >> (32 - bit);
+  }
+  return make_uint2(lo, hi);
+}
+
+template <int BITS>
+__device__ void store_packed(uint8_t* p, uint2 w) {
   if constexpr (BITS == 4) {
-    uint32_t w = 0;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) w |= (c[i] & 15u) << (4 * i);
-    *reinterpret_cast<uint32_t*>(p) = w;
-  } else if constexpr (BITS == 6) {
-    uint32_t lo = 0, hi = 0;  // 48 bits: elements 0..4 (+2 bits of 5) in lo, rest in hi
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const int bit = 6 * i;
-      const uint32_t v = c[i] & 63u;
-      if (bit < 32) lo |= v << bit;
-      if (bit + 6 > 32) hi |= bit >= 32 ? v << (bit - 32) : v >> (32 - bit);
-    }
-    uint16_t* q = reinterpret_cast<uint16_t*>(p);  // 6 bytes at a 2-byte aligned address
-    q[0] = static_cast<uint16_t>(lo);
-    q[1] = static_cast<uint16_t>(lo >> 16);
-    q[2] = static_cast<uint16_t>(hi);
+    *reinterpret_cast<uint32_t*>(p) = w.x;
+  } else if constexpr (BITS == 6) {  // 2-byte aligned
+    uint16_t* q = reinterpret_cast<uint16_t*>(p);
+    q[0] = static_cast<uint16_t>(w.x);
+    q[1] = static_cast<uint16_t>(w.x >> 16);
+    q[2] = static_cast<uint16_t>(w.y);
   } else {
-    uint32_t w[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-      w[i] = (c[4 * i] & 255u) | ((c[4 * i + 1] & 255u) << 8) | ((c[4 * i + 2] & 255u) << 16) |
-             ((c[4 * i + 3] & 255u) << 24);
-    *reinterpret_cast<uint2*>(p) = make_uint2(w[0], w[1]);
+    *reinterpret_cast<uint2*>(p) = w;
   }
 }
 
 template <int BITS>
-__device__ void load_codes(const uint8_t* p, uint32_t* c) {
+__device__ uint2 load_packed(const uint8_t* p) {
   if constexpr (BITS == 4) {
-    const uint32_t w = __ldg(reinterpret_cast<const uint32_t*>(p));
-#pragma unroll
-    for (int i = 0; i < 8; ++i) c[i] = (w >> (4 * i)) & 15u;
+    return make_uint2(__ldg(reinterpret_cast<const uint32_t*>(p)), 0u);
   } else if constexpr (BITS == 6) {
     const uint16_t* q = reinterpret_cast<const uint16_t*>(p);
-    const uint32_t lo = __ldg(q) | (static_cast<uint32_t>(__ldg(q + 1)) << 16);
-    const uint32_t hi = __ldg(q + 2);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const int bit = 6 * i;
-      uint32_t v = bit < 32 ? lo >> bit : hi >> (bit - 32);
-      if (bit < 32 && bit + 6 > 32) v |= hi << (32 - bit);
-      c[i] = v & 63u;
+    return make_uint2(__ldg(q) | (static_cast<uint32_t>(__ldg(q + 1)) << 16), __ldg(q + 2));
+  } else {
+    return __ldg(reinterpret_cast<const uint2*>(p));
+  }
+}
+
+// ------------------------------------------------------------------ tables
+// Per-CTA shared-memory tables, built once from codecs.h:
+//  - decode: element values; 4-bit formats as float2 pairs indexed by a code byte
+//    (two elements per lookup), 6- and 8-bit formats one float per code;
+//  - codebook quantize: the 15 boundaries (+Inf as a 16th) and the position -> code order.
+template <int FMT>
+constexpr int kBits = elem_bits(FMT);
+
+struct Tables {
+  float dec[512];
+  float bnd[16];
+  uint32_t order[16];
+  uint32_t red[kThreads / 32];
+};
+
+template <int FMT>
+__device__ void build_decode_table(Tables& t) {
+  if constexpr (kBits<FMT> == 4) {
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) {
+      t.dec[2 * i] = elem_value<FMT>(i & 15u);
+      t.dec[2 * i + 1] = elem_value<FMT>(i >> 4);
     }
   } else {
-    const uint2 w = __ldg(reinterpret_cast<const uint2*>(p));
-#pragma unroll
-    for (int i = 0; i < 8; ++i) c[i] = ((i < 4 ? w.x : w.y) >> (8 * (i % 4))) & 255u;
+    for (int i = threadIdx.x; i < (1 << kBits<FMT>); i += blockDim.x) t.dec[i] = elem_value<FMT>(i);
   }
+}
+
+template <int FMT>
+__device__ void build_encode_tables(Tables& t) {
+  if constexpr (is_codebook(FMT)) {
+    if (threadIdx.x < 16) {
+      t.bnd[threadIdx.x] = threadIdx.x < 15 ? Codebook<FMT>::bound(threadIdx.x) : u2f(kInfBits);
+      t.order[threadIdx.x] = Codebook<FMT>::order(threadIdx.x);
+    }
+  }
+}
+
+// ------------------------------------------------------------------ element codecs
+// sm_89+ converts float32 pairs to E4M3 / E5M2 in hardware.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+constexpr bool kHwFp8 = true;
+#else
+constexpr bool kHwFp8 = false;
+#endif
+
+// Fast forms of the codecs.h element encoders, equal to them on the inputs they get here
+// (finite x, finite multiplier > 0; the kernels give non-finite blocks the NaN scale
+// first). The GPU tests check them bit for bit against the reference.
+
+// == nvfp4_encode(x, mult) == mx_encode<kMXFP4>(x, mult): E2M1 code of
+// clamp(x * mult, -6, 6), round to nearest even, sign kept. |x * mult| >= 1 rounds on
+// the float32 bit pattern (1 mantissa bit); below 1 the E2M1 grid is 0.5, and adding
+// 2^22 (ulp 0.5) rounds to it; codes above 7 saturate.
+__device__ __forceinline__ uint32_t e2m1_encode_fast(float x, float mult) {
+  const float a = fabsf(x) * mult;
+  const uint32_t b = f2u(a);
+  const uint32_t nrm = ((b + 0x1fffffu + ((b >> 22) & 1u)) >> 22) - 252u;
+  const uint32_t sub = f2u(a + 4194304.0f) - 0x4a800000u;
+  const uint32_t c = min(b >= 0x3f800000u ? nrm : sub, 7u);
+  return c | ((f2u(x) >> 28) & 8u);
+}
+
+// == codebook_code<FMT>(codebook_position<FMT>(x, mult)): the number of boundaries below
+// x * mult by binary search over the 16-entry table (the clamp to [-1, 1] of the spec
+// does not change the count: every boundary lies inside).
+template <int FMT>
+__device__ __forceinline__ uint32_t codebook_encode_fast(float x, float mult, float b7,
+                                                          const Tables& t) {
+  const float s = x * mult;
+  uint32_t n = s > b7 ? 8u : 0u;
+  n += s > t.bnd[n + 3] ? 4u : 0u;
+  n += s > t.bnd[n + 1] ? 2u : 0u;
+  n += s > t.bnd[n] ? 1u : 0u;
+  return FMT == kNF4 ? n : t.order[n];
+}
+
+// Codes of 8 elements of one block (NVFP4, MX, codebooks) from the block multiplier.
+template <int FMT>
+__device__ void encode8(const float* v, float mult, float b7, const Tables& t, uint32_t* c) {
+  if constexpr (FMT == kNVFP4 || FMT == kMXFP4) {
+#pragma unroll
+    for (int i = 0; i < kChunk; ++i) c[i] = e2m1_encode_fast(v[i], mult);
+  } else if constexpr (is_codebook(FMT)) {
+#pragma unroll
+    for (int i = 0; i < kChunk; ++i) c[i] = codebook_encode_fast<FMT>(v[i], mult, b7, t);
+  } else if constexpr ((FMT == kMXFP8_E4M3 || FMT == kMXFP8_E5M2) && kHwFp8) {
+    // cvt.rn.satfinite.{e4m3,e5m2}x2.f32: RNE, saturating to the largest finite value,
+    // i.e. mx_encode's clamp + encode.
+#pragma unroll
+    for (int i = 0; i < kChunk; i += 2) {
+      const __nv_fp8x2_storage_t pr = __nv_cvt_float2_to_fp8x2(
+          make_float2(v[i] * mult, v[i + 1] * mult), __NV_SATFINITE,
+          FMT == kMXFP8_E4M3 ? __NV_E4M3 : __NV_E5M2);
+      c[i] = pr & 0xffu;
+      c[i + 1] = pr >> 8;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < kChunk; ++i) c[i] = mx_encode<FMT>(v[i], mult) & 0xffu;
+  }
+}
+
+// y = elem_value(code) * f, or (code - z) * f for INT4 (codecs.h decode) for the 8 codes
+// of a packed chunk, through the shared-memory table.
+template <int FMT>
+__device__ void decode8(uint2 pk, float f, float z, const Tables& t, float* v) {
+  if constexpr (kBits<FMT> == 4) {
+    const float2* pairs = reinterpret_cast<const float2*>(t.dec);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float2 e = pairs[(pk.x >> (8 * k)) & 0xffu];
+      v[2 * k] = e.x;
+      v[2 * k + 1] = e.y;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < kChunk; ++i) {
+      const int bit = kBits<FMT> * i;
+      uint32_t c = bit < 32 ? pk.x >> bit : pk.y >> (bit - 32);
+      if (bit < 32 && bit + kBits<FMT> > 32) c |= pk.y << (32 - bit);
+      v[i] = t.dec[c & ((1u << kBits<FMT>) - 1u)];
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kChunk; ++i) v[i] = FMT == kINT4 ? (v[i] - z) * f : v[i] * f;
+}
+
+// ------------------------------------------------------------------ indexing
+struct Params {
+  int64_t n_chunks;  // R * K / 8
+  int64_t cpr;       // chunks per row (K / 8)
+  double inv_cpr;    // 1 / cpr, for row = chunk / cpr without a 64-bit divide
+  int64_t nb;        // blocks per row
+  int G;             // threads per block (block_size / 8), a power of two
+  int log2G;
+  bool two_level;
+  bool rceil;
+  bool swizzled;     // quantize: scales in the 128x4 layout
+  int st;            // INT4 scale storage type
+  int sbytes;        // bytes per stored scale
+};
+
+// chunk / cpr for chunk < 2^50: double estimate, corrected by one step either way.
+__device__ __forceinline__ int64_t row_of(int64_t chunk, const Params& p) {
+  int64_t q = static_cast<int64_t>(static_cast<double>(chunk) * p.inv_cpr);
+  const int64_t r = chunk - q * p.cpr;
+  q += r < 0 ? -1 : (r >= p.cpr ? 1 : 0);
+  return q;
+}
+
+// Index of block `blk` (of row `row`) in the scales buffer (linear or 128x4 swizzled).
+__device__ __forceinline__ int64_t scale_slot(int64_t blk, int64_t row, const Params& p) {
+  return p.swizzled ? scale_offset(row, blk - row * p.nb, p.nb, true) : blk;
+}
+
+// Bytes per stored scale: E4M3 / E8M0 bytes, f32 absmax, INT4 in its storage type.
+template <int FMT>
+__device__ __forceinline__ int scale_bytes_of(const Params& p) {
+  return FMT == kINT4 ? p.sbytes : (is_codebook(FMT) ? 4 : 1);
+}
+
+__device__ void store_scale(void* scales, int64_t idx, int sbytes, uint32_t bits) {
+  if (sbytes == 1) static_cast<uint8_t*>(scales)[idx] = static_cast<uint8_t>(bits);
+  else if (sbytes == 2) static_cast<uint16_t*>(scales)[idx] = static_cast<uint16_t>(bits);
+  else static_cast<uint32_t*>(scales)[idx] = bits;
+}
+__device__ uint32_t load_scale(const void* scales, int64_t idx, int sbytes) {
+  if (sbytes == 1) return __ldg(static_cast<const uint8_t*>(scales) + idx);
+  if (sbytes == 2) return __ldg(static_cast<const uint16_t*>(scales) + idx);
+  return __ldg(static_cast<const uint32_t*>(scales) + idx);
 }
 
 // ------------------------------------------------------------------ group reductions
@@ -150,7 +342,7 @@ __device__ uint32_t group_reduce(uint32_t v, int G, Op op, uint32_t* smem) {
   const int lanes = G < 32 ? G : 32;
   for (int o = lanes / 2; o > 0; o /= 2) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
   if (G <= 32) return v;
-  // G in {64, 128, 256}: combine the G/32 warps of the group through shared memory.
+  // G in {64, ..., 512}: combine the G/32 warps of the group through shared memory.
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   __syncthreads();
   if (lane == 0) smem[warp] = v;
@@ -173,35 +365,15 @@ struct MaxI {
   }
 };
 
-struct Params {
-  int64_t n_chunks;   // total elements / 16
-  int64_t K;          // row length
-  int64_t nb;         // blocks per row
-  int bs;             // block size
-  int G;              // threads per block (bs / 8)
-  bool two_level;
-  bool rceil;
-  int st;             // INT4 scale storage type
-};
-
+// ------------------------------------------------------------------ quantize one chunk
+// Codes (unpacked), scale bits and INT4 zero point of one chunk; every thread of the
+// block's group gets the same scale. amax: this chunk's absmax bits (before the group
+// reduction); tsr: the row's tensor scale (NVFP4 two-level).
 template <int FMT>
-__device__ void quantize_chunk_scaled(const float* v, const Params& p, int64_t row,
-                                      const float* ts, uint32_t* smem, uint32_t amax,
-                                      uint32_t* codes, uint32_t* scale_bits);
-
-// Per-chunk state computed by the quantize stage: codes and (for the group leader) scale.
-template <int FMT>
-__device__ void quantize_chunk(const float* v, const Params& p, int64_t chunk, const float* ts,
-                               uint32_t* smem, uint32_t* codes, uint32_t* scale_bits,
+__device__ void quantize_chunk(const float* v, uint32_t amax, float tsr, const Params& p,
+                               Tables& t, float b7, uint32_t* codes, uint32_t* scale_bits,
                                uint32_t* zero) {
-  const int64_t e0 = chunk * kChunk;
-  const int64_t row = e0 / p.K;
-  uint32_t amax = 0;
-#pragma unroll
-  for (int i = 0; i < kChunk; ++i) {
-    const uint32_t a = f2u(v[i]) & kAbsMask;
-    amax = a > amax ? a : amax;
-  }
+  *zero = 0;
   if constexpr (FMT == kINT4) {
     uint32_t kmin = 0x7fffffffu, kmax = 0x80000000u;
 #pragma unroll
@@ -210,14 +382,13 @@ __device__ void quantize_chunk(const float* v, const Params& p, int64_t chunk, c
       kmin = MinI()(kmin, k);
       kmax = MaxI()(kmax, k);
     }
-    amax = group_reduce(amax, p.G, MaxU(), smem);
-    kmin = group_reduce(kmin, p.G, MinI(), smem);
-    kmax = group_reduce(kmax, p.G, MaxI(), smem);
+    amax = group_reduce(amax, p.G, MaxU(), t.red);
+    kmin = group_reduce(kmin, p.G, MinI(), t.red);
+    kmax = group_reduce(kmax, p.G, MaxI(), t.red);
     if (bits_nonfinite(amax)) {
 #pragma unroll
       for (int i = 0; i < kChunk; ++i) codes[i] = 0;
       *scale_bits = scale_nan_bits(p.st);
-      *zero = 0;
       return;
     }
     const Int4Params q = int4_params(f32_from_order_key(static_cast<int32_t>(kmin)),
@@ -227,166 +398,203 @@ __device__ void quantize_chunk(const float* v, const Params& p, int64_t chunk, c
     *scale_bits = q.scale_bits;
     *zero = static_cast<uint32_t>(static_cast<int32_t>(q.z));
   } else {
-    quantize_chunk_scaled<FMT>(v, p, row, ts, smem, amax, codes, scale_bits);
-  }
-}
-
-// NVFP4, MX and codebooks: one statistic (amax), then encode.
-template <int FMT>
-__device__ void quantize_chunk_scaled(const float* v, const Params& p, int64_t row,
-                                      const float* ts, uint32_t* smem, uint32_t amax,
-                                      uint32_t* codes, uint32_t* scale_bits) {
-  amax = group_reduce(amax, p.G, MaxU(), smem);
-  bool bad = bits_nonfinite(amax);
-  float tsr = 0.0f;
-  if constexpr (FMT == kNVFP4) {
-    if (p.two_level) {
-      tsr = ts[row];
-      bad = bad || nvfp4_bad_tensor_scale(tsr);
+    amax = group_reduce(amax, p.G, MaxU(), t.red);
+    bool bad = bits_nonfinite(amax);
+    if (FMT == kNVFP4 && p.two_level) bad = bad || nvfp4_bad_tensor_scale(tsr);
+    if (bad) {
+#pragma unroll
+      for (int i = 0; i < kChunk; ++i) codes[i] = 0;
+      *scale_bits = FMT == kNVFP4 ? kE4M3NaN : (is_mx(FMT) ? kE8M0NaN : kQuietNaNBits);
+      return;
     }
-  }
-  if (bad) {
-#pragma unroll
-    for (int i = 0; i < kChunk; ++i) codes[i] = 0;
-    *scale_bits = FMT == kNVFP4 ? kE4M3NaN : (is_mx(FMT) ? kE8M0NaN : kQuietNaNBits);
-    return;
-  }
-  if constexpr (FMT == kNVFP4) {
-    const uint32_t sc = p.two_level ? nvfp4_scale_code<true>(u2f(amax), tsr)
-                                    : nvfp4_scale_code<false>(u2f(amax), tsr);
-    const float r = p.two_level ? nvfp4_elem_mult<true>(sc, tsr) : nvfp4_elem_mult<false>(sc, tsr);
-#pragma unroll
-    for (int i = 0; i < kChunk; ++i) codes[i] = nvfp4_encode(v[i], r);
-    *scale_bits = sc;
-  } else if constexpr (is_mx(FMT)) {
-    const uint32_t sc = mx_scale_code<FMT>(amax, p.rceil);
-    const float mult = e8m0_inverse(sc);
-#pragma unroll
-    for (int i = 0; i < kChunk; ++i) codes[i] = mx_encode<FMT>(v[i], mult) & 0xffu;
-    *scale_bits = sc;
-  } else {
-    const float mult = codebook_mult(amax);
-#pragma unroll
-    for (int i = 0; i < kChunk; ++i)
-      codes[i] = codebook_code<FMT>(codebook_position<FMT>(v[i], mult));
-    *scale_bits = amax;
-  }
-}
-
-__device__ void store_scale(void* scales, int64_t idx, int sbytes, uint32_t bits) {
-  if (sbytes == 1) static_cast<uint8_t*>(scales)[idx] = static_cast<uint8_t>(bits);
-  else if (sbytes == 2) static_cast<uint16_t*>(scales)[idx] = static_cast<uint16_t>(bits);
-  else static_cast<uint32_t*>(scales)[idx] = bits;
-}
-__device__ uint32_t load_scale(const void* scales, int64_t idx, int sbytes) {
-  if (sbytes == 1) return __ldg(static_cast<const uint8_t*>(scales) + idx);
-  if (sbytes == 2) return __ldg(static_cast<const uint16_t*>(scales) + idx);
-  return __ldg(static_cast<const uint32_t*>(scales) + idx);
-}
-
-// Decode one chunk into v (float32).
-template <int FMT>
-__device__ void decode_chunk(const uint32_t* c, uint32_t scale_bits, uint32_t zero, float tsr,
-                             const Params& p, const float* table, float* v) {
-  const float f = block_factor<FMT>(scale_bits, p.two_level, tsr, p.st);
-  if constexpr (is_codebook(FMT)) {
-    // shared-memory copy of the code table: divergent __constant__ reads serialise
-#pragma unroll
-    for (int i = 0; i < kChunk; ++i) v[i] = table[c[i] & 15u] * f;
-  } else if constexpr (FMT == kINT4) {
-    const float z = static_cast<float>(zero);
-#pragma unroll
-    for (int i = 0; i < kChunk; ++i) v[i] = (static_cast<float>(c[i]) - z) * f;
-  } else {
-#pragma unroll
-    for (int i = 0; i < kChunk; ++i) v[i] = elem_value<FMT>(c[i]) * f;
+    float mult;
+    if constexpr (FMT == kNVFP4) {
+      const uint32_t sc = p.two_level ? nvfp4_scale_code<true>(u2f(amax), tsr)
+                                      : nvfp4_scale_code<false>(u2f(amax), tsr);
+      mult = p.two_level ? nvfp4_elem_mult<true>(sc, tsr) : nvfp4_elem_mult<false>(sc, tsr);
+      *scale_bits = sc;
+    } else if constexpr (is_mx(FMT)) {
+      const uint32_t sc = mx_scale_code<FMT>(amax, p.rceil);
+      mult = e8m0_inverse(sc);
+      *scale_bits = sc;
+    } else {
+      mult = codebook_mult(amax);
+      *scale_bits = amax;
+    }
+    encode8<FMT>(v, mult, b7, t, codes);
   }
 }
 
 template <int FMT>
-constexpr int kBits = elem_bits(FMT);
+__device__ float codebook_b7(const Tables& t) {
+  if constexpr (is_codebook(FMT)) return t.bnd[7];
+  return 0.0f;
+}
 
-// Codebook formats: the 16 code values into shared memory (one barrier per CTA).
+// The row tensor scale of a chunk (NVFP4 two-level; 0 otherwise) and its row (when the
+// tensor scale or the swizzled layout needs it).
 template <int FMT>
-__device__ void load_table(float* table) {
-  if constexpr (is_codebook(FMT)) {
-    if (threadIdx.x < 16) table[threadIdx.x] = elem_value<FMT>(threadIdx.x);
-    __syncthreads();
+__device__ __forceinline__ float chunk_ts(const float* ts, int64_t row, const Params& p) {
+  return (FMT == kNVFP4 && p.two_level) ? __ldg(ts + row) : 0.0f;
+}
+
+// ------------------------------------------------------------------ kernels
+// Chunks per thread and step: the loads of a step's kUnroll chunks and of the next step's
+// are in flight while this step is computed (16 B per chunk of bf16 input: 64 B per
+// thread), enough to cover HBM latency at full bandwidth with 1024 threads per SM.
+constexpr int kUnroll = 2;
+
+// Grid-stride loop over steps of kUnroll chunks (chunk u of a step: base + u * kThreads),
+// software-pipelined: load(chunk) -> Raw for the next step is issued before
+// body(chunk, raw) runs for this one. load() must return a harmless value past the end;
+// every thread of a CTA runs the same number of steps, so a body may hold barriers.
+template <typename Raw, typename Load, typename Body>
+__device__ __forceinline__ void for_each_chunk(int64_t n_chunks, Load load, Body body) {
+  const int64_t step = static_cast<int64_t>(gridDim.x) * kThreads * kUnroll;
+  int64_t first = static_cast<int64_t>(blockIdx.x) * kThreads * kUnroll;  // the CTA's
+  Raw cur[kUnroll];
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) cur[u] = load(first + u * kThreads + threadIdx.x);
+  for (; first < n_chunks; first += step) {
+    Raw nxt[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) nxt[u] = load(first + step + u * kThreads + threadIdx.x);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) body(first + u * kThreads + threadIdx.x, cur[u]);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) cur[u] = nxt[u];
   }
 }
 
-// Grid-stride over chunks; every thread of a CTA runs the same number of iterations so
-// the shared-memory reduction's barriers are uniform (threads past the end idle).
+// x chunk, or zeros past the end.
+template <typename L>
+__device__ __forceinline__ typename L::Raw load_x(const typename L::storage* x, int64_t chunk,
+                                                  int64_t n_chunks) {
+  return chunk < n_chunks ? L::load(x + chunk * kChunk) : L::zero();
+}
+
 template <int FMT, typename L>
-__global__ void __launch_bounds__(kThreads) quantize_kernel(
+__global__ void __launch_bounds__(kThreads, 2) quantize_kernel(
     const typename L::storage* __restrict__ x, const float* __restrict__ ts,
     uint8_t* __restrict__ codes, void* __restrict__ scales, uint8_t* __restrict__ zeros,
-    Params p, int sbytes) {
-  __shared__ uint32_t smem[kThreads / 32];
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
-  for (int64_t base = static_cast<int64_t>(blockIdx.x) * kThreads; base < p.n_chunks;
-       base += stride) {
-    const int64_t chunk = base + threadIdx.x;
-    const bool live = chunk < p.n_chunks;  // n_chunks is a multiple of G: groups are whole
-    float v[kChunk];
-    if (live) L::load(x + chunk * kChunk, v);
-    else for (int i = 0; i < kChunk; ++i) v[i] = 0.0f;
-    uint32_t c[kChunk], sb = 0, z = 0;
-    quantize_chunk<FMT>(v, p, live ? chunk : 0, ts, smem, c, &sb, &z);
-    if (!live) continue;
-    store_codes<kBits<FMT>>(codes + chunk * kBits<FMT>, c);
-    if (chunk % p.G == 0) {
-      const int64_t blk = chunk / p.G;
-      store_scale(scales, blk, sbytes, sb);
-      if (FMT == kINT4) zeros[blk] = static_cast<uint8_t>(z);
-    }
-  }
+    Params p) {
+  __shared__ Tables t;
+  build_encode_tables<FMT>(t);
+  __syncthreads();
+  const float b7 = codebook_b7<FMT>(t);
+  const bool need_row = (FMT == kNVFP4 && p.two_level) || p.swizzled;
+  for_each_chunk<typename L::Raw>(
+      p.n_chunks, [&](int64_t c) { return load_x<L>(x, c, p.n_chunks); },
+      [&](int64_t chunk, const typename L::Raw& raw) {
+        const bool live = chunk < p.n_chunks;  // n_chunks is a multiple of G: whole groups
+        float v[kChunk];
+        L::to_f32(raw, v);
+        const int64_t row = need_row && live ? row_of(chunk, p) : 0;
+        uint32_t c[kChunk], sb, z;
+        quantize_chunk<FMT>(v, L::amax_bits(raw), chunk_ts<FMT>(ts, row, p), p, t, b7, c, &sb,
+                            &z);
+        if (!live) return;
+        store_packed<kBits<FMT>>(codes + chunk * kBits<FMT>, pack8<kBits<FMT>>(c));
+        if ((chunk & (p.G - 1)) == 0) {
+          const int64_t blk = chunk >> p.log2G;
+          store_scale(scales, scale_slot(blk, row, p), scale_bytes_of<FMT>(p), sb);
+          if (FMT == kINT4) zeros[blk] = static_cast<uint8_t>(z);
+        }
+      });
 }
 
 template <int FMT, typename L>
-__global__ void __launch_bounds__(kThreads) dequantize_kernel(
-    const uint8_t* __restrict__ codes, const void* __restrict__ scales,
-    const uint8_t* __restrict__ zeros, const float* __restrict__ ts,
-    typename L::storage* __restrict__ y, Params p, int sbytes) {
-  __shared__ float table[16];
-  load_table<FMT>(table);
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
-  for (int64_t chunk = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-       chunk < p.n_chunks; chunk += stride) {
-    uint32_t c[kChunk];
-    load_codes<kBits<FMT>>(codes + chunk * kBits<FMT>, c);
-    const int64_t blk = chunk / p.G;
-    const uint32_t sb = load_scale(scales, blk, sbytes);
-    const uint32_t z = FMT == kINT4 ? __ldg(zeros + blk) : 0u;
-    const float tsr = (FMT == kNVFP4 && p.two_level) ? __ldg(ts + (chunk * kChunk) / p.K) : 0.f;
-    float v[kChunk];
-    decode_chunk<FMT>(c, sb, z, tsr, p, table, v);
-    L::store(y + chunk * kChunk, v);
-  }
-}
-
-template <int FMT, typename L>
-__global__ void __launch_bounds__(kThreads) fake_quantize_kernel(
+__global__ void __launch_bounds__(kThreads, 2) fake_quantize_kernel(
     const typename L::storage* __restrict__ x, const float* __restrict__ ts,
     typename L::storage* __restrict__ y, Params p) {
-  __shared__ uint32_t smem[kThreads / 32];
-  __shared__ float table[16];
-  load_table<FMT>(table);
+  __shared__ Tables t;
+  build_encode_tables<FMT>(t);
+  build_decode_table<FMT>(t);
+  __syncthreads();
+  const float b7 = codebook_b7<FMT>(t);
+  const bool need_row = FMT == kNVFP4 && p.two_level;
+  for_each_chunk<typename L::Raw>(
+      p.n_chunks, [&](int64_t c) { return load_x<L>(x, c, p.n_chunks); },
+      [&](int64_t chunk, const typename L::Raw& raw) {
+        const bool live = chunk < p.n_chunks;
+        float v[kChunk];
+        L::to_f32(raw, v);
+        const float tsr = chunk_ts<FMT>(ts, need_row && live ? row_of(chunk, p) : 0, p);
+        uint32_t c[kChunk], sb, z;
+        quantize_chunk<FMT>(v, L::amax_bits(raw), tsr, p, t, b7, c, &sb, &z);
+        if (!live) return;
+        // every thread of the group holds the block's scale: decode locally
+        decode8<FMT>(pack8<kBits<FMT>>(c), block_factor<FMT>(sb, p.two_level, tsr, p.st),
+                     static_cast<float>(z), t, v);
+        L::store(y + chunk * kChunk, v);
+      });
+}
+
+// What dequantize reads for one chunk: packed codes, scale bits, zero point, row scale.
+struct Coded {
+  uint2 pk;
+  uint32_t sb, z;
+  float tsr;
+};
+
+template <int FMT, typename L>
+__global__ void __launch_bounds__(kThreads, 2) dequantize_kernel(
+    const uint8_t* __restrict__ codes, const void* __restrict__ scales,
+    const uint8_t* __restrict__ zeros, const float* __restrict__ ts,
+    typename L::storage* __restrict__ y, Params p) {
+  __shared__ Tables t;
+  build_decode_table<FMT>(t);
+  __syncthreads();
+  for_each_chunk<Coded>(
+      p.n_chunks,
+      [&](int64_t chunk) {
+        Coded c{make_uint2(0, 0), 0, 0, 0.0f};
+        if (chunk < p.n_chunks) {
+          c.pk = load_packed<kBits<FMT>>(codes + chunk * kBits<FMT>);
+          const int64_t blk = chunk >> p.log2G;
+          c.sb = load_scale(scales, blk, scale_bytes_of<FMT>(p));
+          if (FMT == kINT4) c.z = __ldg(zeros + blk);
+          if (FMT == kNVFP4 && p.two_level) c.tsr = __ldg(ts + row_of(chunk, p));
+        }
+        return c;
+      },
+      [&](int64_t chunk, const Coded& c) {
+        if (chunk >= p.n_chunks) return;
+        float v[kChunk];
+        decode8<FMT>(c.pk, block_factor<FMT>(c.sb, p.two_level, c.tsr, p.st),
+                     static_cast<float>(c.z), t, v);
+        L::store(y + chunk * kChunk, v);
+      });
+}
+
+// max |x| over the tensor as float32 bits (codecs.h block_absmax_bits over everything),
+// atomically max-ed into *out (zeroed before the launch): the per-tensor amax of NVFP4
+// tensor_scale="auto", one read of x.
+template <typename L>
+__global__ void __launch_bounds__(kThreads) amax_kernel(const typename L::storage* __restrict__ x,
+                                                        int64_t n, uint32_t* __restrict__ out) {
+  __shared__ uint32_t red[kThreads / 32];
+  const int64_t n_chunks = n / kChunk;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
-  for (int64_t base = static_cast<int64_t>(blockIdx.x) * kThreads; base < p.n_chunks;
-       base += stride) {
-    const int64_t chunk = base + threadIdx.x;
-    const bool live = chunk < p.n_chunks;
-    float v[kChunk];
-    if (live) L::load(x + chunk * kChunk, v);
-    else for (int i = 0; i < kChunk; ++i) v[i] = 0.0f;
-    uint32_t c[kChunk], sb = 0, z = 0;
-    quantize_chunk<FMT>(v, p, live ? chunk : 0, ts, smem, c, &sb, &z);
-    if (!live) continue;
-    // every thread of the group computed the same scale: decode locally
-    const float tsr = (FMT == kNVFP4 && p.two_level) ? ts[(chunk * kChunk) / p.K] : 0.f;
-    decode_chunk<FMT>(c, sb, z, tsr, p, table, v);
-    L::store(y + chunk * kChunk, v);
+  int64_t c = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  uint32_t m = 0;
+  for (; c + 3 * stride < n_chunks; c += 4 * stride) {
+    typename L::Raw r[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) r[u] = L::load(x + (c + u * stride) * kChunk);
+#pragma unroll
+    for (int u = 0; u < 4; ++u) m = max(m, L::amax_bits(r[u]));
+  }
+  for (; c < n_chunks; c += stride) m = max(m, L::amax_bits(L::load(x + c * kChunk)));
+  if (blockIdx.x == 0 && threadIdx.x < n - n_chunks * kChunk) {  // the last n % 8 elements
+    m = max(m, f2u(L::scalar(x + n_chunks * kChunk + threadIdx.x)) & kAbsMask);
+  }
+  m = __reduce_max_sync(0xffffffffu, m);
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = m;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kThreads / 32; ++w) m = max(m, red[w]);
+    atomicMax(out, m);
   }
 }
 
@@ -402,28 +610,35 @@ ffi::Error with_fmt(int fmt, F&& f) {
   return err;
 }
 
-int grid_for(int64_t n_chunks) {
+// CTAs for n_chunks chunks at `per_thread` chunks per thread and iteration, capped at
+// 8 waves of 2 resident CTAs per SM (grid-stride beyond that).
+int grid_for(int64_t n_chunks, int per_thread) {
   static int sms = [] {
     int dev = 0, n = 0;
     cudaGetDevice(&dev);
     cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
     return n > 0 ? n : 132;
   }();
-  const int64_t ctas = (n_chunks + kThreads - 1) / kThreads;
-  const int64_t cap = static_cast<int64_t>(sms) * 4 * 8;  // 8 waves of 2048 threads/SM
+  const int64_t per_cta = static_cast<int64_t>(kThreads) * per_thread;
+  const int64_t ctas = (n_chunks + per_cta - 1) / per_cta;
+  const int64_t cap = static_cast<int64_t>(sms) * 2 * 8;
   return static_cast<int>(ctas < cap ? ctas : cap);
 }
 
 Params make_params(const Problem& p) {
   Params q;
   q.n_chunks = p.R * p.K / kChunk;
-  q.K = p.K;
+  q.cpr = p.K / kChunk;
+  q.inv_cpr = q.cpr > 0 ? 1.0 / static_cast<double>(q.cpr) : 0.0;
   q.nb = p.nb;
-  q.bs = static_cast<int>(p.bs);
   q.G = static_cast<int>(p.bs / kChunk);
+  q.log2G = 0;
+  while ((1 << q.log2G) < q.G) ++q.log2G;
   q.two_level = p.two_level;
   q.rceil = p.rceil;
+  q.swizzled = p.swizzled;
   q.st = p.scale_type;
+  q.sbytes = scale_bytes(p);
   return q;
 }
 
@@ -447,7 +662,7 @@ ffi::Error launched(const std::string& where) {
 template <typename F>
 ffi::Error with_io(ffi::DataType t, F&& f) {
   switch (t) {
-    case ffi::DataType::F32: return f(Io<float>{});
+    case ffi::DataType::F32: return f(IoF32{});
     case ffi::DataType::BF16: return f(Io16<true>{});
     case ffi::DataType::F16: return f(Io16<false>{});
     default: return ffi::Error::InvalidArgument("jax_fp4: unsupported dtype");
@@ -457,26 +672,30 @@ ffi::Error with_io(ffi::DataType t, F&& f) {
 ffi::Error QuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer ts,
                         ffi::Result<ffi::AnyBuffer> codes, ffi::Result<ffi::AnyBuffer> scales,
                         ffi::Result<ffi::AnyBuffer> zeros, int32_t fmt, int64_t block_size,
-                        int32_t rceil, int32_t two_level) {
+                        int32_t rceil, int32_t two_level, int32_t swizzled) {
   const std::string where = "jax_fp4_quantize_v1 (CUDA)";
   JF4_RETURN_IF_ERROR(validate_x(where, "x", x));
   Problem p;
   JF4_RETURN_IF_ERROR(validate_problem(where, fmt, block_size, rceil, two_level,
                                        x.dimensions()[0], x.dimensions()[1], &p));
+  JF4_RETURN_IF_ERROR(validate_swizzled(where, swizzled, &p));
   JF4_RETURN_IF_ERROR(validate_quantized(where, &p, *codes, *scales, *zeros));
   JF4_RETURN_IF_ERROR(validate_ts(where, p, ts));
   JF4_RETURN_IF_ERROR(check_cuda_block(where, p));
   const Params q = make_params(p);
   if (q.n_chunks == 0) return ffi::Error::Success();
-  const int sb = scale_bytes(p);
+  // The 128x4 layout's padding (rows past R, scale columns past nb) holds zero bytes.
+  if (p.swizzled && (p.R % 128 != 0 || p.nb % 4 != 0) &&
+      cudaMemsetAsync(scales->untyped_data(), 0, scales->size_bytes(), stream) != cudaSuccess)
+    return launched(where);
   return with_fmt(fmt, [&](auto F) {
     return with_io(x.element_type(), [&](auto L) {
       using LT = decltype(L);
-      quantize_kernel<decltype(F)::value, LT><<<grid_for(q.n_chunks), kThreads, 0, stream>>>(
+      quantize_kernel<decltype(F)::value, LT><<<grid_for(q.n_chunks, kUnroll), kThreads, 0, stream>>>(
           static_cast<const typename LT::storage*>(x.untyped_data()),
           static_cast<const float*>(ts.untyped_data()),
           static_cast<uint8_t*>(codes->untyped_data()), scales->untyped_data(),
-          static_cast<uint8_t*>(zeros->untyped_data()), q, sb);
+          static_cast<uint8_t*>(zeros->untyped_data()), q);
       return launched(where);
     });
   });
@@ -495,15 +714,15 @@ ffi::Error DequantizeImpl(cudaStream_t stream, ffi::AnyBuffer codes, ffi::AnyBuf
   JF4_RETURN_IF_ERROR(check_cuda_block(where, p));
   const Params q = make_params(p);
   if (q.n_chunks == 0) return ffi::Error::Success();
-  const int sb = scale_bytes(p);
   return with_fmt(fmt, [&](auto F) {
     return with_io(y->element_type(), [&](auto L) {
       using LT = decltype(L);
-      dequantize_kernel<decltype(F)::value, LT><<<grid_for(q.n_chunks), kThreads, 0, stream>>>(
-          static_cast<const uint8_t*>(codes.untyped_data()), scales.untyped_data(),
-          static_cast<const uint8_t*>(zeros.untyped_data()),
-          static_cast<const float*>(ts.untyped_data()),
-          static_cast<typename LT::storage*>(y->untyped_data()), q, sb);
+      dequantize_kernel<decltype(F)::value, LT>
+          <<<grid_for(q.n_chunks, kUnroll), kThreads, 0, stream>>>(
+              static_cast<const uint8_t*>(codes.untyped_data()), scales.untyped_data(),
+              static_cast<const uint8_t*>(zeros.untyped_data()),
+              static_cast<const float*>(ts.untyped_data()),
+              static_cast<typename LT::storage*>(y->untyped_data()), q);
       return launched(where);
     });
   });
@@ -529,12 +748,32 @@ ffi::Error FakeQuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffe
   return with_fmt(fmt, [&](auto F) {
     return with_io(x.element_type(), [&](auto L) {
       using LT = decltype(L);
-      fake_quantize_kernel<decltype(F)::value, LT><<<grid_for(q.n_chunks), kThreads, 0, stream>>>(
+      fake_quantize_kernel<decltype(F)::value, LT><<<grid_for(q.n_chunks, kUnroll), kThreads, 0, stream>>>(
           static_cast<const typename LT::storage*>(x.untyped_data()),
           static_cast<const float*>(ts.untyped_data()),
           static_cast<typename LT::storage*>(y->untyped_data()), q);
       return launched(where);
     });
+  });
+}
+
+// amax: x (R, K) f32/bf16/f16 -> () f32, max |x| (NaN if any NaN), csrc/README.md.
+ffi::Error AmaxImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out) {
+  const std::string where = "jax_fp4_amax_v1 (CUDA)";
+  JF4_RETURN_IF_ERROR(validate_x(where, "x", x));
+  if (out->element_type() != ffi::DataType::F32 || out->element_count() != 1)
+    return invalid(where, "buffer `out` must be a float32 scalar");
+  if (cudaMemsetAsync(out->untyped_data(), 0, sizeof(uint32_t), stream) != cudaSuccess)
+    return launched(where);
+  const int64_t n = static_cast<int64_t>(x.element_count());
+  if (n == 0) return ffi::Error::Success();
+  const int64_t n_chunks = n / kChunk;
+  return with_io(x.element_type(), [&](auto L) {
+    using LT = decltype(L);
+    amax_kernel<LT><<<std::max(1, grid_for(n_chunks, 4)), kThreads, 0, stream>>>(
+        static_cast<const typename LT::storage*>(x.untyped_data()), n,
+        static_cast<uint32_t*>(out->untyped_data()));
+    return launched(where);
   });
 }
 
@@ -553,7 +792,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4QuantizeV1Cuda, jf4::cuda::QuantizeImpl,
                                   .Attr<int32_t>("fmt")
                                   .Attr<int64_t>("block_size")
                                   .Attr<int32_t>("rceil")
-                                  .Attr<int32_t>("two_level"));
+                                  .Attr<int32_t>("two_level")
+                                  .Attr<int32_t>("swizzled"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4DequantizeV1Cuda, jf4::cuda::DequantizeImpl,
                               ffi::Ffi::Bind()
@@ -577,3 +817,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4FakeQuantizeV1Cuda, jf4::cuda::FakeQuantizeI
                                   .Attr<int64_t>("block_size")
                                   .Attr<int32_t>("rceil")
                                   .Attr<int32_t>("two_level"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4AmaxV1Cuda, jf4::cuda::AmaxImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
