@@ -99,13 +99,13 @@ def _has_target(target, platform):
 def _kernel_ok(platform, avals, params):
     """Whether our FFI kernels cover this call (else it lowers to the reference).
 
-    CUDA kernels need block_size = 8 * 2**k <= 4096 (every format's allowed blocks but
+    CUDA kernels need block_size = 16 * 2**k <= 4096 (every format's allowed blocks but
     odd INT4 group sizes); fake-quantize kernels keep INT4 scales in x's dtype."""
     if "block_size" not in params:
         return True
     if platform == "cuda":
-        g, rem = divmod(params["block_size"], 8)
-        if rem or g > 512 or g & (g - 1):
+        g, rem = divmod(params["block_size"], 16)
+        if rem or g > 256 or g & (g - 1):
             return False
     sd = params.get("scale_dtype")
     if params.get("scale_dtype_follows_x") and sd is not None and np.dtype(sd) != avals[0].dtype:

@@ -38,67 +38,88 @@ using cpu::validate_ts;
 using cpu::validate_x;
 namespace {
 
-constexpr int kChunk = 8;      // elements per thread and chunk
+constexpr int kChunk = 16;     // elements per thread and chunk
 constexpr int kThreads = 512;  // threads per CTA
 
 // ------------------------------------------------------------------ element I/O
-// A chunk of 8 x / y elements moves as raw 16-byte words. Widening to float32 is exact;
-// narrowing uses the hardware round-to-nearest-even conversion (cvt.rn), which is the
-// codecs.h rounding (f32_to_bf16 / f32_to_f16); only NaN payloads may differ, and the
-// spec does not fix those. amax_bits is codecs.h block_absmax_bits of the chunk
-// (max of |x| bits: NaN > Inf > finite), taken on the packed words with DPX min/max.
+// A chunk of 16 x / y elements (one NVFP4 block, half an MX block) moves as NW raw
+// 16-byte words. Widening to float32 is exact; narrowing uses the hardware
+// round-to-nearest-even conversion (cvt.rn), which is the codecs.h rounding (f32_to_bf16 /
+// f32_to_f16); only NaN payloads may differ, and the spec does not fix those. amax_bits
+// is codecs.h block_absmax_bits of the chunk (max of |x| bits: NaN > Inf > finite),
+// taken on the packed words with the DPX 3-way min/max.
+template <typename S, int NW>
+struct Raw {
+  uint4 w[NW];
+};
+
 struct IoF32 {
   using storage = float;
-  struct Raw {
-    uint4 a, b;
-  };
+  using Raw = jf4::cuda::Raw<float, 4>;
   __device__ static Raw load(const float* p) {
-    const uint4* q = reinterpret_cast<const uint4*>(p);
-    return {__ldg(q), __ldg(q + 1)};
-  }
-  __device__ static Raw zero() { return {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)}; }
-  __device__ static void to_f32(const Raw& r, float* v) {
-    const uint32_t w[8] = {r.a.x, r.a.y, r.a.z, r.a.w, r.b.x, r.b.y, r.b.z, r.b.w};
+    Raw r;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] = u2f(w[i]);
+    for (int i = 0; i < 4; ++i) r.w[i] = __ldg(reinterpret_cast<const uint4*>(p) + i);
+    return r;
+  }
+  __device__ static void to_f32(const Raw& r, float* v) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      v[4 * i] = u2f(r.w[i].x);
+      v[4 * i + 1] = u2f(r.w[i].y);
+      v[4 * i + 2] = u2f(r.w[i].z);
+      v[4 * i + 3] = u2f(r.w[i].w);
+    }
   }
   __device__ static uint32_t amax_bits(const Raw& r) {
     const uint32_t m = kAbsMask;
-    const uint32_t a = __vimax3_u32(r.a.x & m, r.a.y & m, r.a.z & m);
-    const uint32_t b = __vimax3_u32(r.a.w & m, r.b.x & m, r.b.y & m);
-    return __vimax3_u32(a, b, __vimax3_u32(r.b.z & m, r.b.w & m, 0u));
+    uint32_t a = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      a = __vimax3_u32(a, __vimax3_u32(r.w[i].x & m, r.w[i].y & m, r.w[i].z & m), r.w[i].w & m);
+    return a;
   }
   __device__ static float scalar(const float* p) { return *p; }
   __device__ static void store(float* p, const float* v) {
     float4* q = reinterpret_cast<float4*>(p);
-    q[0] = make_float4(v[0], v[1], v[2], v[3]);
-    q[1] = make_float4(v[4], v[5], v[6], v[7]);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) q[i] = make_float4(v[4 * i], v[4 * i + 1], v[4 * i + 2], v[4 * i + 3]);
   }
 };
 
 template <bool BF16>
 struct Io16 {
   using storage = uint16_t;
-  using Raw = uint4;
-  __device__ static Raw load(const uint16_t* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
-  __device__ static Raw zero() { return make_uint4(0, 0, 0, 0); }
+  using Raw = jf4::cuda::Raw<uint16_t, 2>;
+  __device__ static Raw load(const uint16_t* p) {
+    Raw r;
+    r.w[0] = __ldg(reinterpret_cast<const uint4*>(p));
+    r.w[1] = __ldg(reinterpret_cast<const uint4*>(p) + 1);
+    return r;
+  }
   __device__ static void to_f32(const Raw& r, float* v) {
-    const uint32_t w[4] = {r.x, r.y, r.z, r.w};
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      if constexpr (BF16) {
-        v[2 * j] = u2f(w[j] << 16);
-        v[2 * j + 1] = u2f(w[j] & 0xffff0000u);
-      } else {
-        const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w[j]));
-        v[2 * j] = f.x;
-        v[2 * j + 1] = f.y;
+    for (int i = 0; i < 2; ++i) {
+      const uint32_t w[4] = {r.w[i].x, r.w[i].y, r.w[i].z, r.w[i].w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        float* o = v + 8 * i + 2 * j;
+        if constexpr (BF16) {
+          o[0] = u2f(w[j] << 16);
+          o[1] = u2f(w[j] & 0xffff0000u);
+        } else {
+          const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w[j]));
+          o[0] = f.x;
+          o[1] = f.y;
+        }
       }
     }
   }
   __device__ static uint32_t amax_bits(const Raw& r) {
     const uint32_t m = 0x7fff7fffu;  // |x| of both halves; 16-bit bit order = value order
-    const uint32_t h2 = __vimax3_u16x2(__vimax3_u16x2(r.x & m, r.y & m, r.z & m), r.w & m, 0u);
+    const uint32_t a = __vimax3_u16x2(r.w[0].x & m, r.w[0].y & m, r.w[0].z & m);
+    const uint32_t b = __vimax3_u16x2(r.w[0].w & m, r.w[1].x & m, r.w[1].y & m);
+    const uint32_t h2 = __vimax3_u16x2(a, b, __vimax3_u16x2(r.w[1].z & m, r.w[1].w & m, 0u));
     const uint32_t h = max(h2 & 0xffffu, h2 >> 16);
     if constexpr (BF16) return h << 16;
     return f2u(__half2float(__ushort_as_half(static_cast<unsigned short>(h))));
@@ -107,59 +128,64 @@ struct Io16 {
     return BF16 ? bf16_to_f32(*p) : __half2float(__ushort_as_half(*p));
   }
   __device__ static void store(uint16_t* p, const float* v) {
-    uint32_t w[4];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      if constexpr (BF16) {
-        const __nv_bfloat162 h = __floats2bfloat162_rn(v[2 * j], v[2 * j + 1]);
-        w[j] = *reinterpret_cast<const uint32_t*>(&h);
-      } else {
-        const __half2 h = __floats2half2_rn(v[2 * j], v[2 * j + 1]);
-        w[j] = *reinterpret_cast<const uint32_t*>(&h);
+    for (int i = 0; i < 2; ++i) {
+      uint32_t w[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float* o = v + 8 * i + 2 * j;
+        if constexpr (BF16) {
+          const __nv_bfloat162 h = __floats2bfloat162_rn(o[0], o[1]);
+          w[j] = *reinterpret_cast<const uint32_t*>(&h);
+        } else {
+          const __half2 h = __floats2half2_rn(o[0], o[1]);
+          w[j] = *reinterpret_cast<const uint32_t*>(&h);
+        }
       }
+      reinterpret_cast<uint4*>(p)[i] = make_uint4(w[0], w[1], w[2], w[3]);
     }
-    *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
   }
 };
 
 // ------------------------------------------------------------------ code packing
-// 8 codes of BITS bits <-> little-endian bit stream in a uint2 (4 / 6 / 8 bytes used),
-// stored as one 4 / 6 (3 x 2) / 8 byte access.
+// 16 codes of BITS bits <-> little-endian bit stream in a uint4 (8 / 12 / 16 bytes
+// used), stored as one 8-byte, three 4-byte or one 16-byte access.
 template <int BITS>
-__device__ uint2 pack8(const uint32_t* c) {
-  uint32_t lo = 0, hi = 0;
+__device__ uint4 pack16(const uint32_t* c) {
+  uint32_t w[4] = {0, 0, 0, 0};
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const int bit = BITS * i;
-    if (bit < 32) lo |= c[i] << bit;
-    if (bit + BITS > 32) hi |= bit >= 32 ? c[i] << (bit - 32) : c[i] >> (32 - bit);
+  for (int i = 0; i < kChunk; ++i) {
+    const int bit = BITS * i, k = bit / 32, o = bit % 32;
+    w[k] |= c[i] << o;
+    if (o + BITS > 32) w[k + 1] |= c[i] >> (32 - o);
   }
-  return make_uint2(lo, hi);
+  return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
 template <int BITS>
-__device__ void store_packed(uint8_t* p, uint2 w) {
+__device__ void store_packed(uint8_t* p, uint4 w) {
   if constexpr (BITS == 4) {
-    *reinterpret_cast<uint32_t*>(p) = w.x;
-  } else if constexpr (BITS == 6) {  // 2-byte aligned
-    uint16_t* q = reinterpret_cast<uint16_t*>(p);
-    q[0] = static_cast<uint16_t>(w.x);
-    q[1] = static_cast<uint16_t>(w.x >> 16);
-    q[2] = static_cast<uint16_t>(w.y);
+    *reinterpret_cast<uint2*>(p) = make_uint2(w.x, w.y);
+  } else if constexpr (BITS == 6) {  // 4-byte aligned
+    uint32_t* q = reinterpret_cast<uint32_t*>(p);
+    q[0] = w.x;
+    q[1] = w.y;
+    q[2] = w.z;
   } else {
-    *reinterpret_cast<uint2*>(p) = w;
+    *reinterpret_cast<uint4*>(p) = w;
   }
 }
 
 template <int BITS>
-__device__ uint2 load_packed(const uint8_t* p) {
+__device__ uint4 load_packed(const uint8_t* p) {
   if constexpr (BITS == 4) {
-    return make_uint2(__ldg(reinterpret_cast<const uint32_t*>(p)), 0u);
+    const uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
+    return make_uint4(v.x, v.y, 0u, 0u);
   } else if constexpr (BITS == 6) {
-    const uint16_t* q = reinterpret_cast<const uint16_t*>(p);
-    return make_uint2(__ldg(q) | (static_cast<uint32_t>(__ldg(q + 1)) << 16), __ldg(q + 2));
+    const uint32_t* q = reinterpret_cast<const uint32_t*>(p);
+    return make_uint4(__ldg(q), __ldg(q + 1), __ldg(q + 2), 0u);
   } else {
-    return __ldg(reinterpret_cast<const uint2*>(p));
+    return __ldg(reinterpret_cast<const uint4*>(p));
   }
 }
 
@@ -170,6 +196,8 @@ __device__ uint2 load_packed(const uint8_t* p) {
 //  - codebook quantize: the 15 boundaries (+Inf as a 16th) and the position -> code order.
 template <int FMT>
 constexpr int kBits = elem_bits(FMT);
+template <int FMT>
+constexpr int kChunkBytes = kChunk * elem_bits(FMT) / 8;  // packed codes of one chunk
 
 struct Tables {
   float dec[512];
@@ -239,9 +267,9 @@ __device__ __forceinline__ uint32_t codebook_encode_fast(float x, float mult, fl
   return FMT == kNF4 ? n : t.order[n];
 }
 
-// Codes of 8 elements of one block (NVFP4, MX, codebooks) from the block multiplier.
+// Codes of the 16 elements of a chunk (NVFP4, MX, codebooks) from the block multiplier.
 template <int FMT>
-__device__ void encode8(const float* v, float mult, float b7, const Tables& t, uint32_t* c) {
+__device__ void encode16(const float* v, float mult, float b7, const Tables& t, uint32_t* c) {
   if constexpr (FMT == kNVFP4 || FMT == kMXFP4) {
 #pragma unroll
     for (int i = 0; i < kChunk; ++i) c[i] = e2m1_encode_fast(v[i], mult);
@@ -265,24 +293,25 @@ __device__ void encode8(const float* v, float mult, float b7, const Tables& t, u
   }
 }
 
-// y = elem_value(code) * f, or (code - z) * f for INT4 (codecs.h decode) for the 8 codes
-// of a packed chunk, through the shared-memory table.
+// y = elem_value(code) * f, or (code - z) * f for INT4 (codecs.h decode) for the 16
+// codes of a packed chunk, through the shared-memory table.
 template <int FMT>
-__device__ void decode8(uint2 pk, float f, float z, const Tables& t, float* v) {
+__device__ void decode16(uint4 pk, float f, float z, const Tables& t, float* v) {
+  const uint32_t w[4] = {pk.x, pk.y, pk.z, pk.w};
   if constexpr (kBits<FMT> == 4) {
     const float2* pairs = reinterpret_cast<const float2*>(t.dec);
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const float2 e = pairs[(pk.x >> (8 * k)) & 0xffu];
+    for (int k = 0; k < 8; ++k) {
+      const float2 e = pairs[(w[k / 4] >> (8 * (k % 4))) & 0xffu];
       v[2 * k] = e.x;
       v[2 * k + 1] = e.y;
     }
   } else {
 #pragma unroll
     for (int i = 0; i < kChunk; ++i) {
-      const int bit = kBits<FMT> * i;
-      uint32_t c = bit < 32 ? pk.x >> bit : pk.y >> (bit - 32);
-      if (bit < 32 && bit + kBits<FMT> > 32) c |= pk.y << (32 - bit);
+      const int bit = kBits<FMT> * i, k = bit / 32, o = bit % 32;
+      uint32_t c = w[k] >> o;
+      if (o + kBits<FMT> > 32) c |= w[k + 1] << (32 - o);
       v[i] = t.dec[c & ((1u << kBits<FMT>) - 1u)];
     }
   }
@@ -305,8 +334,9 @@ struct Params {
   int sbytes;        // bytes per stored scale
 };
 
-// chunk / cpr for chunk < 2^50: double estimate, corrected by one step either way.
-__device__ __forceinline__ int64_t row_of(int64_t chunk, const Params& p) {
+// chunk / cpr for chunk < 2^50: double estimate, corrected by one step either way. Not
+// inlined, so that kernels which need no row do not issue it predicated off.
+__device__ __noinline__ int64_t row_of(int64_t chunk, const Params& p) {
   int64_t q = static_cast<int64_t>(static_cast<double>(chunk) * p.inv_cpr);
   const int64_t r = chunk - q * p.cpr;
   q += r < 0 ? -1 : (r >= p.cpr ? 1 : 0);
@@ -421,7 +451,7 @@ __device__ void quantize_chunk(const float* v, uint32_t amax, float tsr, const P
       mult = codebook_mult(amax);
       *scale_bits = amax;
     }
-    encode8<FMT>(v, mult, b7, t, codes);
+    encode16<FMT>(v, mult, b7, t, codes);
   }
 }
 
@@ -439,30 +469,19 @@ __device__ __forceinline__ float chunk_ts(const float* ts, int64_t row, const Pa
 }
 
 // ------------------------------------------------------------------ kernels
-// Chunks per thread and step: the loads of a step's kUnroll chunks and of the next step's
-// are in flight while this step is computed (16 B per chunk of bf16 input: 64 B per
-// thread), enough to cover HBM latency at full bandwidth with 1024 threads per SM.
-constexpr int kUnroll = 2;
-
-// Grid-stride loop over steps of kUnroll chunks (chunk u of a step: base + u * kThreads),
-// software-pipelined: load(chunk) -> Raw for the next step is issued before
-// body(chunk, raw) runs for this one. load() must return a harmless value past the end;
+// Grid-stride loop over chunks, software-pipelined: load(chunk) -> Raw of the thread's
+// next chunk is issued before body(chunk, raw) runs for this one, so 2 x 32 bytes of bf16
+// input per thread are in flight. load() must return a harmless value past the end;
 // every thread of a CTA runs the same number of steps, so a body may hold barriers.
 template <typename Raw, typename Load, typename Body>
 __device__ __forceinline__ void for_each_chunk(int64_t n_chunks, Load load, Body body) {
-  const int64_t step = static_cast<int64_t>(gridDim.x) * kThreads * kUnroll;
-  int64_t first = static_cast<int64_t>(blockIdx.x) * kThreads * kUnroll;  // the CTA's
-  Raw cur[kUnroll];
-#pragma unroll
-  for (int u = 0; u < kUnroll; ++u) cur[u] = load(first + u * kThreads + threadIdx.x);
-  for (; first < n_chunks; first += step) {
-    Raw nxt[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) nxt[u] = load(first + step + u * kThreads + threadIdx.x);
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) body(first + u * kThreads + threadIdx.x, cur[u]);
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) cur[u] = nxt[u];
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  int64_t chunk = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  Raw cur = load(chunk);
+  for (; chunk - threadIdx.x < n_chunks; chunk += stride) {  // uniform over the CTA
+    const Raw nxt = load(chunk + stride);
+    body(chunk, cur);
+    cur = nxt;
   }
 }
 
@@ -470,7 +489,7 @@ __device__ __forceinline__ void for_each_chunk(int64_t n_chunks, Load load, Body
 template <typename L>
 __device__ __forceinline__ typename L::Raw load_x(const typename L::storage* x, int64_t chunk,
                                                   int64_t n_chunks) {
-  return chunk < n_chunks ? L::load(x + chunk * kChunk) : L::zero();
+  return chunk < n_chunks ? L::load(x + chunk * kChunk) : typename L::Raw{};
 }
 
 template <int FMT, typename L>
@@ -494,7 +513,7 @@ __global__ void __launch_bounds__(kThreads, 2) quantize_kernel(
         quantize_chunk<FMT>(v, L::amax_bits(raw), chunk_ts<FMT>(ts, row, p), p, t, b7, c, &sb,
                             &z);
         if (!live) return;
-        store_packed<kBits<FMT>>(codes + chunk * kBits<FMT>, pack8<kBits<FMT>>(c));
+        store_packed<kBits<FMT>>(codes + chunk * kChunkBytes<FMT>, pack16<kBits<FMT>>(c));
         if ((chunk & (p.G - 1)) == 0) {
           const int64_t blk = chunk >> p.log2G;
           store_scale(scales, scale_slot(blk, row, p), scale_bytes_of<FMT>(p), sb);
@@ -524,7 +543,7 @@ __global__ void __launch_bounds__(kThreads, 2) fake_quantize_kernel(
         quantize_chunk<FMT>(v, L::amax_bits(raw), tsr, p, t, b7, c, &sb, &z);
         if (!live) return;
         // every thread of the group holds the block's scale: decode locally
-        decode8<FMT>(pack8<kBits<FMT>>(c), block_factor<FMT>(sb, p.two_level, tsr, p.st),
+        decode16<FMT>(pack16<kBits<FMT>>(c), block_factor<FMT>(sb, p.two_level, tsr, p.st),
                      static_cast<float>(z), t, v);
         L::store(y + chunk * kChunk, v);
       });
@@ -532,7 +551,7 @@ __global__ void __launch_bounds__(kThreads, 2) fake_quantize_kernel(
 
 // What dequantize reads for one chunk: packed codes, scale bits, zero point, row scale.
 struct Coded {
-  uint2 pk;
+  uint4 pk;
   uint32_t sb, z;
   float tsr;
 };
@@ -548,9 +567,9 @@ __global__ void __launch_bounds__(kThreads, 2) dequantize_kernel(
   for_each_chunk<Coded>(
       p.n_chunks,
       [&](int64_t chunk) {
-        Coded c{make_uint2(0, 0), 0, 0, 0.0f};
+        Coded c{make_uint4(0, 0, 0, 0), 0, 0, 0.0f};
         if (chunk < p.n_chunks) {
-          c.pk = load_packed<kBits<FMT>>(codes + chunk * kBits<FMT>);
+          c.pk = load_packed<kBits<FMT>>(codes + chunk * kChunkBytes<FMT>);
           const int64_t blk = chunk >> p.log2G;
           c.sb = load_scale(scales, blk, scale_bytes_of<FMT>(p));
           if (FMT == kINT4) c.z = __ldg(zeros + blk);
@@ -561,7 +580,7 @@ __global__ void __launch_bounds__(kThreads, 2) dequantize_kernel(
       [&](int64_t chunk, const Coded& c) {
         if (chunk >= p.n_chunks) return;
         float v[kChunk];
-        decode8<FMT>(c.pk, block_factor<FMT>(c.sb, p.two_level, c.tsr, p.st),
+        decode16<FMT>(c.pk, block_factor<FMT>(c.sb, p.two_level, c.tsr, p.st),
                      static_cast<float>(c.z), t, v);
         L::store(y + chunk * kChunk, v);
       });
@@ -642,12 +661,12 @@ Params make_params(const Problem& p) {
   return q;
 }
 
-// The CUDA kernels need block_size = 8 * G with G a power of two <= 512 (the Python
+// The CUDA kernels need block_size = 16 * G with G a power of two <= 256 (the Python
 // lowering sends other INT4 group sizes to the reference path).
 ffi::Error check_cuda_block(const std::string& where, const Problem& p) {
   const int64_t g = p.bs / kChunk;
-  if (p.bs % kChunk != 0 || g < 1 || g > kThreads || (g & (g - 1)) != 0)
-    return invalid(where, "the CUDA kernels need block_size = 8 * 2^k <= 4096, got " +
+  if (p.bs % kChunk != 0 || g < 1 || g > 256 || (g & (g - 1)) != 0)
+    return invalid(where, "the CUDA kernels need block_size = 16 * 2^k <= 4096, got " +
                               std::to_string(p.bs));
   return ffi::Error::Success();
 }
@@ -691,7 +710,7 @@ ffi::Error QuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer ts
   return with_fmt(fmt, [&](auto F) {
     return with_io(x.element_type(), [&](auto L) {
       using LT = decltype(L);
-      quantize_kernel<decltype(F)::value, LT><<<grid_for(q.n_chunks, kUnroll), kThreads, 0, stream>>>(
+      quantize_kernel<decltype(F)::value, LT><<<grid_for(q.n_chunks, 1), kThreads, 0, stream>>>(
           static_cast<const typename LT::storage*>(x.untyped_data()),
           static_cast<const float*>(ts.untyped_data()),
           static_cast<uint8_t*>(codes->untyped_data()), scales->untyped_data(),
@@ -718,7 +737,7 @@ ffi::Error DequantizeImpl(cudaStream_t stream, ffi::AnyBuffer codes, ffi::AnyBuf
     return with_io(y->element_type(), [&](auto L) {
       using LT = decltype(L);
       dequantize_kernel<decltype(F)::value, LT>
-          <<<grid_for(q.n_chunks, kUnroll), kThreads, 0, stream>>>(
+          <<<grid_for(q.n_chunks, 1), kThreads, 0, stream>>>(
               static_cast<const uint8_t*>(codes.untyped_data()), scales.untyped_data(),
               static_cast<const uint8_t*>(zeros.untyped_data()),
               static_cast<const float*>(ts.untyped_data()),
@@ -748,7 +767,7 @@ ffi::Error FakeQuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffe
   return with_fmt(fmt, [&](auto F) {
     return with_io(x.element_type(), [&](auto L) {
       using LT = decltype(L);
-      fake_quantize_kernel<decltype(F)::value, LT><<<grid_for(q.n_chunks, kUnroll), kThreads, 0, stream>>>(
+      fake_quantize_kernel<decltype(F)::value, LT><<<grid_for(q.n_chunks, 1), kThreads, 0, stream>>>(
           static_cast<const typename LT::storage*>(x.untyped_data()),
           static_cast<const float*>(ts.untyped_data()),
           static_cast<typename LT::storage*>(y->untyped_data()), q);
