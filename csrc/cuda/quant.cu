@@ -13,6 +13,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
 
 #include <cstdint>
 #include <type_traits>
@@ -80,10 +81,14 @@ struct IoF32 {
     return a;
   }
   __device__ static float scalar(const float* p) { return *p; }
-  __device__ static void store(float* p, const float* v) {
+  __device__ static void store(float* p, const float* v, bool cs) {
     float4* q = reinterpret_cast<float4*>(p);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) q[i] = make_float4(v[4 * i], v[4 * i + 1], v[4 * i + 2], v[4 * i + 3]);
+    for (int i = 0; i < 4; ++i) {
+      const float4 f = make_float4(v[4 * i], v[4 * i + 1], v[4 * i + 2], v[4 * i + 3]);
+      if (cs) __stcs(q + i, f);
+      else q[i] = f;
+    }
   }
 };
 
@@ -127,7 +132,7 @@ struct Io16 {
   __device__ static float scalar(const uint16_t* p) {
     return BF16 ? bf16_to_f32(*p) : __half2float(__ushort_as_half(*p));
   }
-  __device__ static void store(uint16_t* p, const float* v) {
+  __device__ static void store(uint16_t* p, const float* v, bool cs) {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       uint32_t w[4];
@@ -142,7 +147,9 @@ struct Io16 {
           w[j] = *reinterpret_cast<const uint32_t*>(&h);
         }
       }
-      reinterpret_cast<uint4*>(p)[i] = make_uint4(w[0], w[1], w[2], w[3]);
+      const uint4 u = make_uint4(w[0], w[1], w[2], w[3]);
+      if (cs) __stcs(reinterpret_cast<uint4*>(p) + i, u);
+      else reinterpret_cast<uint4*>(p)[i] = u;
     }
   }
 };
@@ -201,7 +208,7 @@ constexpr int kChunkBytes = kChunk * elem_bits(FMT) / 8;  // packed codes of one
 
 struct Tables {
   float dec[512];
-  float bnd[16];
+  alignas(16) float bnd[16];
   uint32_t order[16];
   uint32_t red[kThreads / 32];
 };
@@ -254,28 +261,32 @@ __device__ __forceinline__ uint32_t e2m1_encode_fast(float x, float mult) {
 }
 
 // == codebook_code<FMT>(codebook_position<FMT>(x, mult)): the number of boundaries below
-// x * mult by binary search over the 16-entry table (the clamp to [-1, 1] of the spec
-// does not change the count: every boundary lies inside).
+// x * mult, by binary search: two levels against boundaries held in registers (b.x = B3,
+// b.y = B7, b.z = B11), two against one float4 of the 16-entry table (B15 = +Inf). The
+// clamp to [-1, 1] of the spec does not change the count: every boundary lies inside.
 template <int FMT>
-__device__ __forceinline__ uint32_t codebook_encode_fast(float x, float mult, float b7,
+__device__ __forceinline__ uint32_t codebook_encode_fast(float x, float mult, float4 b,
                                                           const Tables& t) {
   const float s = x * mult;
-  uint32_t n = s > b7 ? 8u : 0u;
-  n += s > t.bnd[n + 3] ? 4u : 0u;
-  n += s > t.bnd[n + 1] ? 2u : 0u;
-  n += s > t.bnd[n] ? 1u : 0u;
+  const bool p1 = s > b.y;
+  const bool p2 = s > (p1 ? b.z : b.x);
+  uint32_t n = (p1 ? 8u : 0u) + (p2 ? 4u : 0u);
+  const float4 q = reinterpret_cast<const float4*>(t.bnd)[n >> 2];  // B[n .. n+3]
+  const bool p3 = s > q.y;
+  n += p3 ? 2u : 0u;
+  n += s > (p3 ? q.z : q.x) ? 1u : 0u;
   return FMT == kNF4 ? n : t.order[n];
 }
 
 // Codes of the 16 elements of a chunk (NVFP4, MX, codebooks) from the block multiplier.
 template <int FMT>
-__device__ void encode16(const float* v, float mult, float b7, const Tables& t, uint32_t* c) {
+__device__ void encode16(const float* v, float mult, float4 b, const Tables& t, uint32_t* c) {
   if constexpr (FMT == kNVFP4 || FMT == kMXFP4) {
 #pragma unroll
     for (int i = 0; i < kChunk; ++i) c[i] = e2m1_encode_fast(v[i], mult);
   } else if constexpr (is_codebook(FMT)) {
 #pragma unroll
-    for (int i = 0; i < kChunk; ++i) c[i] = codebook_encode_fast<FMT>(v[i], mult, b7, t);
+    for (int i = 0; i < kChunk; ++i) c[i] = codebook_encode_fast<FMT>(v[i], mult, b, t);
   } else if constexpr ((FMT == kMXFP8_E4M3 || FMT == kMXFP8_E5M2) && kHwFp8) {
     // cvt.rn.satfinite.{e4m3,e5m2}x2.f32: RNE, saturating to the largest finite value,
     // i.e. mx_encode's clamp + encode.
@@ -306,6 +317,17 @@ __device__ void decode16(uint4 pk, float f, float z, const Tables& t, float* v) 
       v[2 * k] = e.x;
       v[2 * k + 1] = e.y;
     }
+  } else if constexpr ((FMT == kMXFP8_E4M3 || FMT == kMXFP8_E5M2) && kHwFp8) {
+    // cvt.rn.f16x2.{e4m3,e5m2}x2 and f16 -> f32: exact, the table's values
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(
+          static_cast<__nv_fp8x2_storage_t>(w[k / 2] >> (16 * (k % 2))),
+          FMT == kMXFP8_E4M3 ? __NV_E4M3 : __NV_E5M2);
+      const float2 f = __half22float2(__half2(h));
+      v[2 * k] = f.x;
+      v[2 * k + 1] = f.y;
+    }
   } else {
 #pragma unroll
     for (int i = 0; i < kChunk; ++i) {
@@ -322,8 +344,9 @@ __device__ void decode16(uint4 pk, float f, float z, const Tables& t, float* v) 
 // ------------------------------------------------------------------ indexing
 struct Params {
   int64_t n_chunks;  // R * K / 8
-  int64_t cpr;       // chunks per row (K / 8)
+  int64_t cpr;       // chunks per row (K / 16)
   double inv_cpr;    // 1 / cpr, for row = chunk / cpr without a 64-bit divide
+  int64_t srow, scol;  // the grid stride in chunks as (rows, chunks) = divmod(stride, cpr)
   int64_t nb;        // blocks per row
   int G;             // threads per block (block_size / 8), a power of two
   int log2G;
@@ -332,20 +355,39 @@ struct Params {
   bool swizzled;     // quantize: scales in the 128x4 layout
   int st;            // INT4 scale storage type
   int sbytes;        // bytes per stored scale
+  bool streaming;    // EXPERIMENT: st.global.cs for y ($JAX_FP4_CUDA_STREAMING=1)
 };
 
-// chunk / cpr for chunk < 2^50: double estimate, corrected by one step either way. Not
-// inlined, so that kernels which need no row do not issue it predicated off.
-__device__ __noinline__ int64_t row_of(int64_t chunk, const Params& p) {
+// chunk / cpr for chunk < 2^50: double estimate, corrected by one step either way.
+__device__ __forceinline__ int64_t row_of(int64_t chunk, const Params& p) {
   int64_t q = static_cast<int64_t>(static_cast<double>(chunk) * p.inv_cpr);
   const int64_t r = chunk - q * p.cpr;
   q += r < 0 ? -1 : (r >= p.cpr ? 1 : 0);
   return q;
 }
 
-// Index of block `blk` (of row `row`) in the scales buffer (linear or 128x4 swizzled).
-__device__ __forceinline__ int64_t scale_slot(int64_t blk, int64_t row, const Params& p) {
-  return p.swizzled ? scale_offset(row, blk - row * p.nb, p.nb, true) : blk;
+// Row and chunk-in-row of a thread's chunk, moved along the grid stride with adds only
+// (one division when the kernel starts).
+struct RowCursor {
+  int64_t row, col;
+  __device__ RowCursor(int64_t chunk, const Params& p) : row(row_of(chunk, p)) {
+    col = chunk - row * p.cpr;
+  }
+  __device__ void advance(const Params& p) {
+    row += p.srow;
+    col += p.scol;
+    if (col >= p.cpr) {
+      col -= p.cpr;
+      ++row;
+    }
+  }
+};
+
+// Index of the scale of the block holding chunk `chunk` (at `at`) in the scales buffer
+// (linear or 128x4 swizzled).
+__device__ __forceinline__ int64_t scale_slot(int64_t chunk, const RowCursor& at,
+                                              const Params& p) {
+  return p.swizzled ? scale_offset(at.row, at.col >> p.log2G, p.nb, true) : chunk >> p.log2G;
 }
 
 // Bytes per stored scale: E4M3 / E8M0 bytes, f32 absmax, INT4 in its storage type.
@@ -401,7 +443,7 @@ struct MaxI {
 // reduction); tsr: the row's tensor scale (NVFP4 two-level).
 template <int FMT>
 __device__ void quantize_chunk(const float* v, uint32_t amax, float tsr, const Params& p,
-                               Tables& t, float b7, uint32_t* codes, uint32_t* scale_bits,
+                               Tables& t, float4 b, uint32_t* codes, uint32_t* scale_bits,
                                uint32_t* zero) {
   *zero = 0;
   if constexpr (FMT == kINT4) {
@@ -451,37 +493,43 @@ __device__ void quantize_chunk(const float* v, uint32_t amax, float tsr, const P
       mult = codebook_mult(amax);
       *scale_bits = amax;
     }
-    encode16<FMT>(v, mult, b7, t, codes);
+    encode16<FMT>(v, mult, b, t, codes);
   }
 }
 
+// Codebook boundaries B3, B7, B11 (the first two binary-search levels) in registers.
 template <int FMT>
-__device__ float codebook_b7(const Tables& t) {
-  if constexpr (is_codebook(FMT)) return t.bnd[7];
-  return 0.0f;
+__device__ float4 codebook_b(const Tables& t) {
+  if constexpr (is_codebook(FMT)) return make_float4(t.bnd[3], t.bnd[7], t.bnd[11], 0.0f);
+  return make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 }
 
-// The row tensor scale of a chunk (NVFP4 two-level; 0 otherwise) and its row (when the
-// tensor scale or the swizzled layout needs it).
+// The row tensor scale of a live chunk (NVFP4 two-level; 0 otherwise).
 template <int FMT>
-__device__ __forceinline__ float chunk_ts(const float* ts, int64_t row, const Params& p) {
-  return (FMT == kNVFP4 && p.two_level) ? __ldg(ts + row) : 0.0f;
+__device__ __forceinline__ float chunk_ts(const float* ts, int64_t row, bool live,
+                                          const Params& p) {
+  return (FMT == kNVFP4 && p.two_level && live) ? __ldg(ts + row) : 0.0f;
 }
 
 // ------------------------------------------------------------------ kernels
-// Grid-stride loop over chunks, software-pipelined: load(chunk) -> Raw of the thread's
-// next chunk is issued before body(chunk, raw) runs for this one, so 2 x 32 bytes of bf16
-// input per thread are in flight. load() must return a harmless value past the end;
-// every thread of a CTA runs the same number of steps, so a body may hold barriers.
+// Grid-stride loop over chunks, software-pipelined: load(chunk, at) -> Raw of the
+// thread's next chunk is issued before body(chunk, at, raw) runs for this one, so 2 x 32
+// bytes of bf16 input per thread are in flight (`at`: the chunk's row and column).
+// load() must return a harmless value past the end; every thread of a CTA runs the same
+// number of steps, so a body may hold barriers.
 template <typename Raw, typename Load, typename Body>
-__device__ __forceinline__ void for_each_chunk(int64_t n_chunks, Load load, Body body) {
+__device__ __forceinline__ void for_each_chunk(const Params& p, Load load, Body body) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
   int64_t chunk = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  Raw cur = load(chunk);
-  for (; chunk - threadIdx.x < n_chunks; chunk += stride) {  // uniform over the CTA
-    const Raw nxt = load(chunk + stride);
-    body(chunk, cur);
+  RowCursor at(chunk, p);
+  Raw cur = load(chunk, at);
+  for (; chunk - threadIdx.x < p.n_chunks; chunk += stride) {  // uniform over the CTA
+    RowCursor at_next = at;
+    at_next.advance(p);
+    const Raw nxt = load(chunk + stride, at_next);
+    body(chunk, at, cur);
     cur = nxt;
+    at = at_next;
   }
 }
 
@@ -500,23 +548,21 @@ __global__ void __launch_bounds__(kThreads, 2) quantize_kernel(
   __shared__ Tables t;
   build_encode_tables<FMT>(t);
   __syncthreads();
-  const float b7 = codebook_b7<FMT>(t);
-  const bool need_row = (FMT == kNVFP4 && p.two_level) || p.swizzled;
+  const float4 b = codebook_b<FMT>(t);
   for_each_chunk<typename L::Raw>(
-      p.n_chunks, [&](int64_t c) { return load_x<L>(x, c, p.n_chunks); },
-      [&](int64_t chunk, const typename L::Raw& raw) {
+      p, [&](int64_t c, const RowCursor&) { return load_x<L>(x, c, p.n_chunks); },
+      [&](int64_t chunk, const RowCursor& at, const typename L::Raw& raw) {
         const bool live = chunk < p.n_chunks;  // n_chunks is a multiple of G: whole groups
         float v[kChunk];
         L::to_f32(raw, v);
-        const int64_t row = need_row && live ? row_of(chunk, p) : 0;
         uint32_t c[kChunk], sb, z;
-        quantize_chunk<FMT>(v, L::amax_bits(raw), chunk_ts<FMT>(ts, row, p), p, t, b7, c, &sb,
-                            &z);
+        quantize_chunk<FMT>(v, L::amax_bits(raw), chunk_ts<FMT>(ts, at.row, live, p), p, t,
+                            b, c, &sb, &z);
         if (!live) return;
         store_packed<kBits<FMT>>(codes + chunk * kChunkBytes<FMT>, pack16<kBits<FMT>>(c));
         if ((chunk & (p.G - 1)) == 0) {
           const int64_t blk = chunk >> p.log2G;
-          store_scale(scales, scale_slot(blk, row, p), scale_bytes_of<FMT>(p), sb);
+          store_scale(scales, scale_slot(chunk, at, p), scale_bytes_of<FMT>(p), sb);
           if (FMT == kINT4) zeros[blk] = static_cast<uint8_t>(z);
         }
       });
@@ -530,22 +576,21 @@ __global__ void __launch_bounds__(kThreads, 2) fake_quantize_kernel(
   build_encode_tables<FMT>(t);
   build_decode_table<FMT>(t);
   __syncthreads();
-  const float b7 = codebook_b7<FMT>(t);
-  const bool need_row = FMT == kNVFP4 && p.two_level;
+  const float4 b = codebook_b<FMT>(t);
   for_each_chunk<typename L::Raw>(
-      p.n_chunks, [&](int64_t c) { return load_x<L>(x, c, p.n_chunks); },
-      [&](int64_t chunk, const typename L::Raw& raw) {
+      p, [&](int64_t c, const RowCursor&) { return load_x<L>(x, c, p.n_chunks); },
+      [&](int64_t chunk, const RowCursor& at, const typename L::Raw& raw) {
         const bool live = chunk < p.n_chunks;
         float v[kChunk];
         L::to_f32(raw, v);
-        const float tsr = chunk_ts<FMT>(ts, need_row && live ? row_of(chunk, p) : 0, p);
+        const float tsr = chunk_ts<FMT>(ts, at.row, live, p);
         uint32_t c[kChunk], sb, z;
-        quantize_chunk<FMT>(v, L::amax_bits(raw), tsr, p, t, b7, c, &sb, &z);
+        quantize_chunk<FMT>(v, L::amax_bits(raw), tsr, p, t, b, c, &sb, &z);
         if (!live) return;
         // every thread of the group holds the block's scale: decode locally
         decode16<FMT>(pack16<kBits<FMT>>(c), block_factor<FMT>(sb, p.two_level, tsr, p.st),
                      static_cast<float>(z), t, v);
-        L::store(y + chunk * kChunk, v);
+        L::store(y + chunk * kChunk, v, p.streaming);
       });
 }
 
@@ -565,24 +610,24 @@ __global__ void __launch_bounds__(kThreads, 2) dequantize_kernel(
   build_decode_table<FMT>(t);
   __syncthreads();
   for_each_chunk<Coded>(
-      p.n_chunks,
-      [&](int64_t chunk) {
+      p,
+      [&](int64_t chunk, const RowCursor& at) {
         Coded c{make_uint4(0, 0, 0, 0), 0, 0, 0.0f};
         if (chunk < p.n_chunks) {
           c.pk = load_packed<kBits<FMT>>(codes + chunk * kChunkBytes<FMT>);
           const int64_t blk = chunk >> p.log2G;
           c.sb = load_scale(scales, blk, scale_bytes_of<FMT>(p));
           if (FMT == kINT4) c.z = __ldg(zeros + blk);
-          if (FMT == kNVFP4 && p.two_level) c.tsr = __ldg(ts + row_of(chunk, p));
+          c.tsr = chunk_ts<FMT>(ts, at.row, true, p);
         }
         return c;
       },
-      [&](int64_t chunk, const Coded& c) {
+      [&](int64_t chunk, const RowCursor&, const Coded& c) {
         if (chunk >= p.n_chunks) return;
         float v[kChunk];
         decode16<FMT>(c.pk, block_factor<FMT>(c.sb, p.two_level, c.tsr, p.st),
                      static_cast<float>(c.z), t, v);
-        L::store(y + chunk * kChunk, v);
+        L::store(y + chunk * kChunk, v, p.streaming);
       });
 }
 
@@ -629,17 +674,16 @@ ffi::Error with_fmt(int fmt, F&& f) {
   return err;
 }
 
-// CTAs for n_chunks chunks at `per_thread` chunks per thread and iteration, capped at
-// 8 waves of 2 resident CTAs per SM (grid-stride beyond that).
-int grid_for(int64_t n_chunks, int per_thread) {
+// CTAs for n_chunks chunks (one per thread and step), capped at 8 waves of 2 resident
+// CTAs per SM (grid-stride beyond that).
+int grid_for(int64_t n_chunks) {
   static int sms = [] {
     int dev = 0, n = 0;
     cudaGetDevice(&dev);
     cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
     return n > 0 ? n : 132;
   }();
-  const int64_t per_cta = static_cast<int64_t>(kThreads) * per_thread;
-  const int64_t ctas = (n_chunks + per_cta - 1) / per_cta;
+  const int64_t ctas = (n_chunks + kThreads - 1) / kThreads;
   const int64_t cap = static_cast<int64_t>(sms) * 2 * 8;
   return static_cast<int>(ctas < cap ? ctas : cap);
 }
@@ -649,6 +693,7 @@ Params make_params(const Problem& p) {
   q.n_chunks = p.R * p.K / kChunk;
   q.cpr = p.K / kChunk;
   q.inv_cpr = q.cpr > 0 ? 1.0 / static_cast<double>(q.cpr) : 0.0;
+  q.srow = q.scol = 0;  // set with the grid (set_stride)
   q.nb = p.nb;
   q.G = static_cast<int>(p.bs / kChunk);
   q.log2G = 0;
@@ -658,6 +703,19 @@ Params make_params(const Problem& p) {
   q.swizzled = p.swizzled;
   q.st = p.scale_type;
   q.sbytes = scale_bytes(p);
+  static const bool streaming = [] {
+    const char* e = std::getenv("JAX_FP4_CUDA_STREAMING");
+    return e != nullptr && e[0] == '1';
+  }();
+  q.streaming = streaming;
+  return q;
+}
+
+// The grid stride (gridDim.x * kThreads chunks) as (rows, chunks).
+Params with_stride(Params q, int grid) {
+  const int64_t stride = static_cast<int64_t>(grid) * kThreads;
+  q.srow = q.cpr > 0 ? stride / q.cpr : 0;
+  q.scol = stride - q.srow * q.cpr;
   return q;
 }
 
@@ -701,8 +759,9 @@ ffi::Error QuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer ts
   JF4_RETURN_IF_ERROR(validate_quantized(where, &p, *codes, *scales, *zeros));
   JF4_RETURN_IF_ERROR(validate_ts(where, p, ts));
   JF4_RETURN_IF_ERROR(check_cuda_block(where, p));
-  const Params q = make_params(p);
-  if (q.n_chunks == 0) return ffi::Error::Success();
+  if (p.R * p.K == 0) return ffi::Error::Success();
+  const int grid = grid_for(p.R * p.K / kChunk);
+  const Params q = with_stride(make_params(p), grid);
   // The 128x4 layout's padding (rows past R, scale columns past nb) holds zero bytes.
   if (p.swizzled && (p.R % 128 != 0 || p.nb % 4 != 0) &&
       cudaMemsetAsync(scales->untyped_data(), 0, scales->size_bytes(), stream) != cudaSuccess)
@@ -710,7 +769,7 @@ ffi::Error QuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer ts
   return with_fmt(fmt, [&](auto F) {
     return with_io(x.element_type(), [&](auto L) {
       using LT = decltype(L);
-      quantize_kernel<decltype(F)::value, LT><<<grid_for(q.n_chunks, 1), kThreads, 0, stream>>>(
+      quantize_kernel<decltype(F)::value, LT><<<grid, kThreads, 0, stream>>>(
           static_cast<const typename LT::storage*>(x.untyped_data()),
           static_cast<const float*>(ts.untyped_data()),
           static_cast<uint8_t*>(codes->untyped_data()), scales->untyped_data(),
@@ -731,13 +790,14 @@ ffi::Error DequantizeImpl(cudaStream_t stream, ffi::AnyBuffer codes, ffi::AnyBuf
   JF4_RETURN_IF_ERROR(validate_quantized(where, &p, codes, scales, zeros));
   JF4_RETURN_IF_ERROR(validate_ts(where, p, ts));
   JF4_RETURN_IF_ERROR(check_cuda_block(where, p));
-  const Params q = make_params(p);
-  if (q.n_chunks == 0) return ffi::Error::Success();
+  if (p.R * p.K == 0) return ffi::Error::Success();
+  const int grid = grid_for(p.R * p.K / kChunk);
+  const Params q = with_stride(make_params(p), grid);
   return with_fmt(fmt, [&](auto F) {
     return with_io(y->element_type(), [&](auto L) {
       using LT = decltype(L);
       dequantize_kernel<decltype(F)::value, LT>
-          <<<grid_for(q.n_chunks, 1), kThreads, 0, stream>>>(
+          <<<grid, kThreads, 0, stream>>>(
               static_cast<const uint8_t*>(codes.untyped_data()), scales.untyped_data(),
               static_cast<const uint8_t*>(zeros.untyped_data()),
               static_cast<const float*>(ts.untyped_data()),
@@ -762,12 +822,13 @@ ffi::Error FakeQuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffe
   // INT4 fake-quant keeps the group scale in x's dtype (scale_dtype default)
   p.scale_type = x.element_type() == ffi::DataType::BF16 ? kScaleBF16
                  : x.element_type() == ffi::DataType::F16 ? kScaleF16 : kScaleF32;
-  const Params q = make_params(p);
-  if (q.n_chunks == 0) return ffi::Error::Success();
+  if (p.R * p.K == 0) return ffi::Error::Success();
+  const int grid = grid_for(p.R * p.K / kChunk);
+  const Params q = with_stride(make_params(p), grid);
   return with_fmt(fmt, [&](auto F) {
     return with_io(x.element_type(), [&](auto L) {
       using LT = decltype(L);
-      fake_quantize_kernel<decltype(F)::value, LT><<<grid_for(q.n_chunks, 1), kThreads, 0, stream>>>(
+      fake_quantize_kernel<decltype(F)::value, LT><<<grid, kThreads, 0, stream>>>(
           static_cast<const typename LT::storage*>(x.untyped_data()),
           static_cast<const float*>(ts.untyped_data()),
           static_cast<typename LT::storage*>(y->untyped_data()), q);
@@ -789,7 +850,7 @@ ffi::Error AmaxImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyB
   const int64_t n_chunks = n / kChunk;
   return with_io(x.element_type(), [&](auto L) {
     using LT = decltype(L);
-    amax_kernel<LT><<<std::max(1, grid_for(n_chunks, 4)), kThreads, 0, stream>>>(
+    amax_kernel<LT><<<std::max(1, grid_for((n_chunks + 3) / 4)), kThreads, 0, stream>>>(
         static_cast<const typename LT::storage*>(x.untyped_data()), n,
         static_cast<uint32_t*>(out->untyped_data()));
     return launched(where);
