@@ -33,6 +33,8 @@ if mode == "wmatmul":
 else:
     x = jax.random.normal(jax.random.key(0), (16384, 8192), jnp.bfloat16)
     q = jax.jit(lambda v: jf.quantize(v, mode))(x)
+    if jf.get_format(mode).family in ("nvfp4", "mx"):
+        jax.block_until_ready(jax.jit(lambda v: jf.quantize(v, mode, scale_layout="swizzled"))(x))
     y = jax.jit(jf.dequantize)(q)
     z = jax.jit(lambda v: jf.fake_quantize(v, mode))(x)
     jax.block_until_ready((y, z))

@@ -13,7 +13,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstdlib>
 
 #include <cstdint>
 #include <type_traits>
@@ -81,14 +80,10 @@ struct IoF32 {
     return a;
   }
   __device__ static float scalar(const float* p) { return *p; }
-  __device__ static void store(float* p, const float* v, bool cs) {
+  __device__ static void store(float* p, const float* v) {
     float4* q = reinterpret_cast<float4*>(p);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float4 f = make_float4(v[4 * i], v[4 * i + 1], v[4 * i + 2], v[4 * i + 3]);
-      if (cs) __stcs(q + i, f);
-      else q[i] = f;
-    }
+    for (int i = 0; i < 4; ++i) q[i] = make_float4(v[4 * i], v[4 * i + 1], v[4 * i + 2], v[4 * i + 3]);
   }
 };
 
@@ -132,7 +127,7 @@ struct Io16 {
   __device__ static float scalar(const uint16_t* p) {
     return BF16 ? bf16_to_f32(*p) : __half2float(__ushort_as_half(*p));
   }
-  __device__ static void store(uint16_t* p, const float* v, bool cs) {
+  __device__ static void store(uint16_t* p, const float* v) {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       uint32_t w[4];
@@ -147,9 +142,7 @@ struct Io16 {
           w[j] = *reinterpret_cast<const uint32_t*>(&h);
         }
       }
-      const uint4 u = make_uint4(w[0], w[1], w[2], w[3]);
-      if (cs) __stcs(reinterpret_cast<uint4*>(p) + i, u);
-      else reinterpret_cast<uint4*>(p)[i] = u;
+      reinterpret_cast<uint4*>(p)[i] = make_uint4(w[0], w[1], w[2], w[3]);
     }
   }
 };
@@ -355,7 +348,6 @@ struct Params {
   bool swizzled;     // quantize: scales in the 128x4 layout
   int st;            // INT4 scale storage type
   int sbytes;        // bytes per stored scale
-  bool streaming;    // EXPERIMENT: st.global.cs for y ($JAX_FP4_CUDA_STREAMING=1)
 };
 
 // chunk / cpr for chunk < 2^50: double estimate, corrected by one step either way.
@@ -590,7 +582,7 @@ __global__ void __launch_bounds__(kThreads, 2) fake_quantize_kernel(
         // every thread of the group holds the block's scale: decode locally
         decode16<FMT>(pack16<kBits<FMT>>(c), block_factor<FMT>(sb, p.two_level, tsr, p.st),
                      static_cast<float>(z), t, v);
-        L::store(y + chunk * kChunk, v, p.streaming);
+        L::store(y + chunk * kChunk, v);
       });
 }
 
@@ -627,7 +619,7 @@ __global__ void __launch_bounds__(kThreads, 2) dequantize_kernel(
         float v[kChunk];
         decode16<FMT>(c.pk, block_factor<FMT>(c.sb, p.two_level, c.tsr, p.st),
                      static_cast<float>(c.z), t, v);
-        L::store(y + chunk * kChunk, v, p.streaming);
+        L::store(y + chunk * kChunk, v);
       });
 }
 
@@ -703,11 +695,6 @@ Params make_params(const Problem& p) {
   q.swizzled = p.swizzled;
   q.st = p.scale_type;
   q.sbytes = scale_bytes(p);
-  static const bool streaming = [] {
-    const char* e = std::getenv("JAX_FP4_CUDA_STREAMING");
-    return e != nullptr && e[0] == '1';
-  }();
-  q.streaming = streaming;
   return q;
 }
 
