@@ -28,7 +28,7 @@ import jax_fp4 as jf
 L2_BYTES = 60 << 20
 
 
-def median_time(fn, args, repeats=7):
+def median_time(fn, args, repeats=9):
     jax.block_until_ready(fn(*args))  # compile + warm up
     ts = []
     for _ in range(repeats):
@@ -121,12 +121,16 @@ def main(argv=None):
         r = max(2, -(-4 * L2_BYTES // nbytes)) if nbytes < (1 << 30) else 2
         key = jax.random.key(0)
         xs = [jax.random.normal(jax.random.fold_in(key, i), shape, dtype) for i in range(2 * r)]
-        t = slope_time(lambda m: jax.jit(lambda *a: [v * 3 for v in a]), xs, r)
-        gbs = 2 * n * dtype.itemsize / t / 1e9
-        rows.append(("xla x*3", "-", size, f"{shape[0]}x{shape[1]}", t * 1e3, gbs,
-                     100 * gbs / roof, float("nan")))
-        print(f"{'xla x*3':14s} {'-':11s} {size:6s} {t * 1e3:8.3f} ms {gbs:7.0f} GB/s "
-              f"{100 * gbs / roof:5.1f}% roof", flush=True)
+        def xla_baseline(when):
+            """XLA's own elementwise kernel, first and last (shows drift over the run)."""
+            t = slope_time(lambda m: jax.jit(lambda *a: [v * 3 for v in a]), xs, r)
+            gbs = 2 * n * dtype.itemsize / t / 1e9
+            rows.append((f"xla x*3 ({when})", "-", size, f"{shape[0]}x{shape[1]}", t * 1e3,
+                         gbs, 100 * gbs / roof, float("nan")))
+            print(f"{'xla x*3':14s} {when:11s} {size:6s} {t * 1e3:8.3f} ms {gbs:7.0f} GB/s "
+                  f"{100 * gbs / roof:5.1f}% roof", flush=True)
+
+        xla_baseline("first")
         for fmt in args.formats:
             for op in args.ops:
                 inputs = xs
@@ -156,6 +160,7 @@ def main(argv=None):
                 print(f"{op:14s} {fmt:11s} {size:6s} {t * 1e3:8.3f} ms {gbs:7.0f} GB/s "
                       f"{100 * gbs / roof:5.1f}% roof  x{ref / t:6.1f} vs ref", flush=True)
                 del inputs
+        xla_baseline("last")
     head = ("| op | format | input | shape | time (ms) | GB/s | % copy roof | x jnp reference |\n"
             "|---|---|---|---|---:|---:|---:|---:|\n")
     table = head + "".join(f"| {o} | {f} | {s} | {sh} | {t:.3f} | {g:.0f} | {p:.1f} | {x:.1f} |\n"
@@ -164,7 +169,7 @@ def main(argv=None):
             f"Command: `python benchmarks/bench_quant.py {' '.join(argv or sys.argv[1:])}`; "
             f"GPU: {dev.device_kind}; jax {jax.__version__}; input dtype {dtype.name}; "
             f"copy roof (torch D2D cudaMemcpyAsync of 1 GiB, read + write) {roof:.0f} GB/s. "
-            "Device time per op = (t(2R) - t(R)) / R, t = median over 7 calls of one jitted "
+            "Device time per op = (t(2R) - t(R)) / R, t = median over 9 calls of one jitted "
             "function running the op on R (2R) distinct inputs (together > L2). Bytes = "
             "input read + outputs written (codes, scales, zero points). `xla x*3`: XLA's own "
             "elementwise kernel, same method.\n\n")

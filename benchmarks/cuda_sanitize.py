@@ -31,8 +31,10 @@ for fmt, bs, kw in cases if "quant" in parts else []:
             y = q.dequantize()
             f = jf.fake_quantize(x, fmt, block_size=bs,
                                  **{k: v for k, v in kw.items() if k != "scale_dtype"})
-            jax.block_until_ready((q, y, f))
-            n += 3
+            # 128x4 scales written by the kernel, padding (rows, columns) zero-filled
+            s = jf.quantize(x, fmt, block_size=bs, scale_layout="swizzled", **kw).scales
+            jax.block_until_ready((q, y, f, s))
+            n += 4
 # fused W4A16: ragged M (one M-chunk and several), K not a multiple of 128, N not of 128
 mm_cases = [("nvfp4", 16, {}), ("nvfp4", 16, {"tensor_scale": "auto"}), ("mxfp4", 32, {}),
             ("nf4", 64, {}), ("bnb_fp4", 32, {}), ("int4", 32, {}), ("int4", 128, {})]

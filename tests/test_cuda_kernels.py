@@ -111,6 +111,31 @@ def test_cuda_amax_matches_reference(dtype, rng):
     assert "jax_fp4_amax_v1" in text
 
 
+def test_cuda_rows_across_grid_steps(rng):
+    """More chunks than one grid step covers (> 132*16 CTAs * 512 threads * 16 elements), a
+    row length that does not divide the stride: the kernels' row cursor stays right as it
+    wraps, for per-row tensor scales (vmap: each member its own "auto" scale) and for
+    swizzled scale slots."""
+    x = jnp.asarray(rng.standard_normal((7, 600, 4240)) * np.exp(rng.standard_normal((7, 1, 1))),
+                    jnp.bfloat16)
+
+    def per_member(v):
+        def one(m):
+            qa = jf.quantize(m, "nvfp4", tensor_scale="auto")
+            return qa.data, qa.scales, qa.dequantize(), jf.fake_quantize(m, "nvfp4",
+                                                                          tensor_scale="auto")
+        return jax.vmap(one)(v)
+
+    def swizzled(v):
+        qa = jf.quantize(v.reshape(-1, v.shape[-1]), "mxfp4", scale_layout="swizzled")
+        return qa.data, qa.scales
+
+    for fn in (per_member, swizzled):
+        for name, g, w in zip(("data", "scales", "deq", "fake"), _run(fn, x, "kernels", _gpu()),
+                              _run(fn, x, "reference", _cpu())):
+            assert_bits_equal(g, w, f"grid steps {fn.__name__} {name}")
+
+
 def test_cuda_lowering_uses_our_custom_calls():
     x = jax.device_put(jnp.ones((4, 64), jnp.bfloat16), _gpu())
     text = jax.jit(lambda v: jf.fake_quantize(v, "nvfp4")).lower(x).as_text()
