@@ -2,7 +2,9 @@
 small ragged shapes. Run on a GPU machine:
 
   XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer --tool memcheck \
-      python benchmarks/cuda_sanitize.py [quant] [matmul]
+      python benchmarks/cuda_sanitize.py [quant] [matmul] [bf16]
+
+(bf16: quantize kernels for bfloat16 inputs only, a shorter run.)
 
 (the platform allocator gives every buffer its own cudaMalloc, so out-of-bounds accesses
 are not hidden inside XLA's memory pool).
@@ -22,9 +24,10 @@ cases = [("nvfp4", 16, {}), ("nvfp4", 16, {"tensor_scale": "auto"}), ("mxfp4", 3
          ("mxfp8_e4m3", 32, {}), ("mxfp8_e5m2", 32, {}), ("nf4", 64, {}), ("nf4", 4096, {}),
          ("bnb_fp4", 1024, {}), ("int4", 128, {}), ("int4", 16, {})]
 parts = sys.argv[1:] or ["quant", "matmul"]
+dtypes = (jnp.bfloat16,) if "bf16" in parts else (jnp.float32, jnp.bfloat16, jnp.float16)
 n = 0
 for fmt, bs, kw in cases if "quant" in parts else []:
-    for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
+    for dtype in dtypes:
         for rows in (1, 3, 129):
             x = jnp.asarray(rng.standard_normal((rows, 2 * bs)), dtype)
             q = jf.quantize(x, fmt, block_size=bs, **kw)
