@@ -42,12 +42,18 @@ def device_time(fn, args, calls=5):
             jax.block_until_ready(fn(*args))
     path = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)[0]
     total_ns = 0.0
+    per_kernel = {}
     for plane in ProfileData.from_file(path).planes:
         if not plane.name.startswith("/device:GPU"):
             continue
         for line in plane.lines:  # "Stream #k(...)": the CUPTI activity of one stream
             if line.name.startswith("Stream"):
-                total_ns += sum(e.duration_ns for e in line.events)
+                for e in line.events:
+                    total_ns += e.duration_ns
+                    per_kernel[e.name[:80]] = per_kernel.get(e.name[:80], 0.0) + e.duration_ns
+    if os.environ.get("BENCH_BREAKDOWN"):
+        for name, ns in sorted(per_kernel.items(), key=lambda kv: -kv[1]):
+            print(f"#   {ns / calls / 1e3:9.1f} us  {name}", file=sys.stderr)
     if total_ns == 0:
         lines = [(pl.name, [ln.name for ln in pl.lines]) for pl in ProfileData.from_file(path).planes]
         raise RuntimeError(f"no GPU stream events in the profile {path}: {lines}")

@@ -1,7 +1,6 @@
 """Public API: any rank / axis / dtype, QArray behaviour, layouts, matmuls, transforms."""
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 
@@ -9,7 +8,7 @@ import jax_fp4 as jf
 from jax_fp4 import reference
 from jax_fp4.formats import FORMAT_NAMES, get_format
 
-from edge import assert_bits_equal, assert_matmul_close, make_input
+from edge import assert_bits_equal, assert_matmul_close
 
 
 def _bs(fmt):
@@ -106,7 +105,7 @@ def test_swizzled_scales_under_vmap(rng):
 def test_amax_primitive(rng):
     """primitives.amax == reference.amax (NaN wins, subnormals exact), per member under
     vmap, no tangent; tensor_scale="auto" uses it and stays differentiable (STE)."""
-    from jax_fp4 import primitives, reference
+    from jax_fp4 import primitives
     x = rng.standard_normal((3, 40, 64)).astype(np.float32)
     x[1, 2, 3] = -1e-40
     x[2] *= 1e-38
