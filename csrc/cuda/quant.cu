@@ -13,6 +13,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
 
 #include <cstdint>
 #include <type_traits>
@@ -593,33 +594,54 @@ struct Coded {
   float tsr;
 };
 
+// Dequantize handles two chunks per thread and step, one in each half of the tensor:
+// twice the loads in flight per thread (the kernel runs at one CTA per SM, where
+// write-heavy streams reach the most DRAM bandwidth, benchmarks/NOTES.md).
+struct Coded2 {
+  Coded c[2];
+};
+
 template <int FMT, typename L>
-__global__ void __launch_bounds__(kThreads, 2) dequantize_kernel(
+__global__ void __launch_bounds__(kThreads, 1) dequantize_kernel(
     const uint8_t* __restrict__ codes, const void* __restrict__ scales,
     const uint8_t* __restrict__ zeros, const float* __restrict__ ts,
     typename L::storage* __restrict__ y, Params p) {
   __shared__ Tables t;
   build_decode_table<FMT>(t);
   __syncthreads();
-  for_each_chunk<Coded>(
-      p,
+  const int64_t half = (p.n_chunks + 1) / 2;
+  auto load_one = [&](int64_t chunk, int64_t row) {
+    Coded c{make_uint4(0, 0, 0, 0), 0, 0, 0.0f};
+    if (chunk < p.n_chunks) {
+      c.pk = load_packed<kBits<FMT>>(codes + chunk * kChunkBytes<FMT>);
+      const int64_t blk = chunk >> p.log2G;
+      c.sb = load_scale(scales, blk, scale_bytes_of<FMT>(p));
+      if (FMT == kINT4) c.z = __ldg(zeros + blk);
+      c.tsr = chunk_ts<FMT>(ts, row, true, p);
+    }
+    return c;
+  };
+  auto decode_one = [&](int64_t chunk, const Coded& c) {
+    if (chunk >= p.n_chunks) return;
+    float v[kChunk];
+    decode16<FMT>(c.pk, block_factor<FMT>(c.sb, p.two_level, c.tsr, p.st),
+                  static_cast<float>(c.z), t, v);
+    L::store(y + chunk * kChunk, v);
+  };
+  Params first_half = p;
+  first_half.n_chunks = half;
+  const bool rows = FMT == kNVFP4 && p.two_level;
+  for_each_chunk<Coded2>(
+      first_half,
       [&](int64_t chunk, const RowCursor& at) {
-        Coded c{make_uint4(0, 0, 0, 0), 0, 0, 0.0f};
-        if (chunk < p.n_chunks) {
-          c.pk = load_packed<kBits<FMT>>(codes + chunk * kChunkBytes<FMT>);
-          const int64_t blk = chunk >> p.log2G;
-          c.sb = load_scale(scales, blk, scale_bytes_of<FMT>(p));
-          if (FMT == kINT4) c.z = __ldg(zeros + blk);
-          c.tsr = chunk_ts<FMT>(ts, at.row, true, p);
-        }
-        return c;
+        const int64_t c2 = chunk + half;
+        return Coded2{{load_one(chunk < half ? chunk : p.n_chunks, at.row),
+                       load_one(chunk < half ? c2 : p.n_chunks, rows ? row_of(c2, p) : 0)}};
       },
-      [&](int64_t chunk, const RowCursor&, const Coded& c) {
-        if (chunk >= p.n_chunks) return;
-        float v[kChunk];
-        decode16<FMT>(c.pk, block_factor<FMT>(c.sb, p.two_level, c.tsr, p.st),
-                     static_cast<float>(c.z), t, v);
-        L::store(y + chunk * kChunk, v);
+      [&](int64_t chunk, const RowCursor&, const Coded2& c) {
+        if (chunk >= half) return;
+        decode_one(chunk, c.c[0]);
+        decode_one(chunk + half, c.c[1]);
       });
 }
 
@@ -676,7 +698,11 @@ int grid_for(int64_t n_chunks) {
     return n > 0 ? n : 132;
   }();
   const int64_t ctas = (n_chunks + kThreads - 1) / kThreads;
-  const int64_t cap = static_cast<int64_t>(sms) * 2 * 8;
+  static int waves = [] {  // EXPERIMENT
+    const char* e = std::getenv("JAX_FP4_CUDA_CTAS_PER_SM");
+    return e ? std::atoi(e) : 16;
+  }();
+  const int64_t cap = static_cast<int64_t>(sms) * waves;
   return static_cast<int>(ctas < cap ? ctas : cap);
 }
 
@@ -778,7 +804,7 @@ ffi::Error DequantizeImpl(cudaStream_t stream, ffi::AnyBuffer codes, ffi::AnyBuf
   JF4_RETURN_IF_ERROR(validate_ts(where, p, ts));
   JF4_RETURN_IF_ERROR(check_cuda_block(where, p));
   if (p.R * p.K == 0) return ffi::Error::Success();
-  const int grid = grid_for(p.R * p.K / kChunk);
+  const int grid = grid_for((p.R * p.K / kChunk + 1) / 2);  // two chunks per thread
   const Params q = with_stride(make_params(p), grid);
   return with_fmt(fmt, [&](auto F) {
     return with_io(y->element_type(), [&](auto L) {
