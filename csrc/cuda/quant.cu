@@ -13,7 +13,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstdlib>
 
 #include <cstdint>
 #include <type_traits>
@@ -688,9 +687,11 @@ ffi::Error with_fmt(int fmt, F&& f) {
   return err;
 }
 
-// CTAs for n_chunks chunks (one per thread and step), capped at 8 waves of 2 resident
-// CTAs per SM (grid-stride beyond that).
-int grid_for(int64_t n_chunks) {
+// CTAs for n_chunks chunks (one per thread and step), capped at ctas_per_sm per SM
+// (grid-stride beyond that). Measured on an H100 (benchmarks/NOTES.md): quantize and
+// fake-quantize (2 resident CTAs per SM) do best with 8 waves (16 per SM); dequantize,
+// whose traffic is 80% writes, with a single CTA per SM.
+int grid_for(int64_t n_chunks, int ctas_per_sm) {
   static int sms = [] {
     int dev = 0, n = 0;
     cudaGetDevice(&dev);
@@ -698,11 +699,7 @@ int grid_for(int64_t n_chunks) {
     return n > 0 ? n : 132;
   }();
   const int64_t ctas = (n_chunks + kThreads - 1) / kThreads;
-  static int waves = [] {  // EXPERIMENT
-    const char* e = std::getenv("JAX_FP4_CUDA_CTAS_PER_SM");
-    return e ? std::atoi(e) : 16;
-  }();
-  const int64_t cap = static_cast<int64_t>(sms) * waves;
+  const int64_t cap = static_cast<int64_t>(sms) * ctas_per_sm;
   return static_cast<int>(ctas < cap ? ctas : cap);
 }
 
@@ -773,7 +770,7 @@ ffi::Error QuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer ts
   JF4_RETURN_IF_ERROR(validate_ts(where, p, ts));
   JF4_RETURN_IF_ERROR(check_cuda_block(where, p));
   if (p.R * p.K == 0) return ffi::Error::Success();
-  const int grid = grid_for(p.R * p.K / kChunk);
+  const int grid = grid_for(p.R * p.K / kChunk, 16);
   const Params q = with_stride(make_params(p), grid);
   // The 128x4 layout's padding (rows past R, scale columns past nb) holds zero bytes.
   if (p.swizzled && (p.R % 128 != 0 || p.nb % 4 != 0) &&
@@ -804,7 +801,7 @@ ffi::Error DequantizeImpl(cudaStream_t stream, ffi::AnyBuffer codes, ffi::AnyBuf
   JF4_RETURN_IF_ERROR(validate_ts(where, p, ts));
   JF4_RETURN_IF_ERROR(check_cuda_block(where, p));
   if (p.R * p.K == 0) return ffi::Error::Success();
-  const int grid = grid_for((p.R * p.K / kChunk + 1) / 2);  // two chunks per thread
+  const int grid = grid_for((p.R * p.K / kChunk + 1) / 2, 1);  // two chunks per thread
   const Params q = with_stride(make_params(p), grid);
   return with_fmt(fmt, [&](auto F) {
     return with_io(y->element_type(), [&](auto L) {
@@ -836,7 +833,7 @@ ffi::Error FakeQuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffe
   p.scale_type = x.element_type() == ffi::DataType::BF16 ? kScaleBF16
                  : x.element_type() == ffi::DataType::F16 ? kScaleF16 : kScaleF32;
   if (p.R * p.K == 0) return ffi::Error::Success();
-  const int grid = grid_for(p.R * p.K / kChunk);
+  const int grid = grid_for(p.R * p.K / kChunk, 16);
   const Params q = with_stride(make_params(p), grid);
   return with_fmt(fmt, [&](auto F) {
     return with_io(x.element_type(), [&](auto L) {
@@ -863,7 +860,7 @@ ffi::Error AmaxImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyB
   const int64_t n_chunks = n / kChunk;
   return with_io(x.element_type(), [&](auto L) {
     using LT = decltype(L);
-    amax_kernel<LT><<<std::max(1, grid_for((n_chunks + 3) / 4)), kThreads, 0, stream>>>(
+    amax_kernel<LT><<<std::max(1, grid_for((n_chunks + 3) / 4, 16)), kThreads, 0, stream>>>(
         static_cast<const typename LT::storage*>(x.untyped_data()), n,
         static_cast<uint32_t*>(out->untyped_data()));
     return launched(where);
