@@ -437,6 +437,14 @@ JF4_HD float nvfp4_elem_mult(uint32_t scale_code, float ts) {
 JF4_HD uint32_t nvfp4_encode(float x, float mult) {
   return e2m1_encode(clampf(x * mult, -6.0f, 6.0f));
 }
+// NVFP4 per-tensor decode scale from the tensor's absmax bits (reference
+// tensor_scale_from_amax): amax / 2688 (IEEE division), at least 2^-120; amax == 0 gives
+// 1; NaN / Inf amax give NaN / Inf.
+JF4_HD float nvfp4_tensor_scale_from_amax(uint32_t amax_bits) {
+  if ((amax_bits & kAbsMask) == 0) return 1.0f;
+  const float pts = u2f(amax_bits & kAbsMask) / 2688.0f;
+  return (pts >= 0x1p-120f || pts != pts) ? pts : 0x1p-120f;
+}
 JF4_HD bool nvfp4_bad_tensor_scale(float ts) {
   // not finite, or < 2^-120 (negative included)
   return !(ts >= 0x1p-120f) || (f2u(ts) & kAbsMask) >= kInfBits;

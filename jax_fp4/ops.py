@@ -71,7 +71,7 @@ def _tensor_scale(tensor_scale, x):
         if tensor_scale != "auto":
             raise ValueError(f"tensor_scale: expected None, 'auto' or a float32 scalar, got "
                              f"{tensor_scale!r}")
-        return reference.tensor_scale_from_amax(primitives.amax(x.reshape(-1, x.shape[-1])))
+        return primitives.auto_tensor_scale(x.reshape(-1, x.shape[-1]))
     ts = jnp.asarray(tensor_scale)
     if ts.shape != ():
         raise ValueError(f"tensor_scale: expected a scalar, got shape {ts.shape}")

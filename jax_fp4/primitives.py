@@ -327,48 +327,50 @@ _register_lowerings(fake_quantize_p, "jax_fp4_fake_quantize_v1", _fake_quantize_
                     ffi_attrs=_fake_quantize_ffi_attrs, fixed_scale_dtype=True)
 
 
-# ------------------------------------------------------------------------ amax
-amax_p = Primitive("jax_fp4_amax")
+# ------------------------------------------------------------------------ tensor scale
+auto_tensor_scale_p = Primitive("jax_fp4_auto_tensor_scale")
 
 
-def _amax_ref(x, *, impl):
-    return reference.amax(x)
+def _auto_tensor_scale_ref(x, *, impl):
+    return reference.tensor_scale_from_amax(reference.amax(x))
 
 
-def _amax_batch(args, dims, *, impl):
-    """Per batch member: the reference's integer max over the member's elements."""
+def _auto_tensor_scale_batch(args, dims, *, impl):
+    """Per batch member: the reference's integer max and scale."""
     x = jnp.moveaxis(args[0], dims[0], 0)
     b = reference.to_f32_bits(x) & 0x7FFFFFFF
-    return lax.bitcast_convert_type(jnp.max(b, axis=(1, 2), initial=jnp.uint32(0)),
-                                    jnp.float32), 0
+    amax = lax.bitcast_convert_type(jnp.max(b, axis=(1, 2), initial=jnp.uint32(0)),
+                                    jnp.float32)
+    return reference.tensor_scale_from_amax(amax), 0
 
 
-def _amax_jvp(primals, tangents, *, impl):
+def _auto_tensor_scale_jvp(primals, tangents, *, impl):
     """No tangent, like the reference (an integer max of the bit patterns)."""
-    y = amax_p.bind(*primals, impl=impl)
+    y = auto_tensor_scale_p.bind(*primals, impl=impl)
     return y, jnp.zeros_like(y)
 
 
-def _amax_cuda_rule(ctx, x, *, impl):
-    if impl != "reference" and _has_target("jax_fp4_amax_v1", "cuda"):
-        return jax.ffi.ffi_lowering("jax_fp4_amax_v1")(ctx, x)
-    return _amax_ref_rule(ctx, x, impl=impl)
+def _auto_tensor_scale_cuda_rule(ctx, x, *, impl):
+    if impl != "reference" and _has_target("jax_fp4_tensor_scale_v1", "cuda"):
+        return jax.ffi.ffi_lowering("jax_fp4_tensor_scale_v1")(ctx, x)
+    return _auto_tensor_scale_ref_rule(ctx, x, impl=impl)
 
 
-def amax(x):
-    """max |x| of a 2-D (R, K) float32/bfloat16/float16 array as a float32 scalar, NaN if
-    any element is NaN (reference.amax); on CUDA one read of x by jax_fp4_amax_v1 (the
-    first pass of NVFP4 tensor_scale="auto")."""
-    return amax_p.bind(x, impl=get_backend())
+def auto_tensor_scale(x):
+    """NVFP4 tensor_scale="auto" of a 2-D (R, K) float32/bfloat16/float16 array: the
+    float32 scalar reference.tensor_scale_from_amax(reference.amax(x)). On CUDA one read
+    of x and the scale computed on the device (jax_fp4_tensor_scale_v1), so that
+    quantize(..., tensor_scale="auto") is one reduction pass and one quantize pass."""
+    return auto_tensor_scale_p.bind(x, impl=get_backend())
 
 
-_def_impl(amax_p)
-amax_p.def_abstract_eval(lambda x, **_: jax.core.ShapedArray((), np.float32))
-batching.primitive_batchers[amax_p] = _amax_batch
-ad.primitive_jvps[amax_p] = _amax_jvp
-_amax_ref_rule = mlir.lower_fun(_amax_ref, multiple_results=False)
-mlir.register_lowering(amax_p, _amax_ref_rule)
-mlir.register_lowering(amax_p, _amax_cuda_rule, platform="cuda")
+_def_impl(auto_tensor_scale_p)
+auto_tensor_scale_p.def_abstract_eval(lambda x, **_: jax.core.ShapedArray((), np.float32))
+batching.primitive_batchers[auto_tensor_scale_p] = _auto_tensor_scale_batch
+ad.primitive_jvps[auto_tensor_scale_p] = _auto_tensor_scale_jvp
+_auto_tensor_scale_ref_rule = mlir.lower_fun(_auto_tensor_scale_ref, multiple_results=False)
+mlir.register_lowering(auto_tensor_scale_p, _auto_tensor_scale_ref_rule)
+mlir.register_lowering(auto_tensor_scale_p, _auto_tensor_scale_cuda_rule, platform="cuda")
 
 
 # ------------------------------------------------------------------------ W4A16 matmul

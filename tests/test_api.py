@@ -102,22 +102,22 @@ def test_swizzled_scales_under_vmap(rng):
                                       np.asarray(want).view(np.uint8))
 
 
-def test_amax_primitive(rng):
-    """primitives.amax == reference.amax (NaN wins, subnormals exact), per member under
-    vmap, no tangent; tensor_scale="auto" uses it and stays differentiable (STE)."""
+def test_auto_tensor_scale_primitive(rng):
+    """primitives.auto_tensor_scale == reference.tensor_scale_from_amax(reference.amax(x))
+    (NaN wins, subnormals exact, zeros give 1.0), per member under vmap, no tangent;
+    tensor_scale="auto" uses it and stays differentiable (STE)."""
     from jax_fp4 import primitives
-    x = rng.standard_normal((3, 40, 64)).astype(np.float32)
+    x = rng.standard_normal((4, 40, 64)).astype(np.float32)
     x[1, 2, 3] = -1e-40
     x[2] *= 1e-38
     x[2, 5, 7] = np.nan
+    x[3] = 0.0
     xs = jnp.asarray(x)
-    for i in range(3):
-        got = np.asarray(jax.jit(primitives.amax)(xs[i]))
-        want = np.asarray(reference.amax(xs[i]))
-        assert got.view(np.uint32) == want.view(np.uint32) or (np.isnan(got) and np.isnan(want))
-    v = np.asarray(jax.vmap(primitives.amax)(xs))
-    np.testing.assert_array_equal(v[:2], [np.abs(x[0]).max(), np.abs(x[1]).max()])
-    assert np.isnan(v[2])
+    want = [np.asarray(reference.tensor_scale_from_amax(reference.amax(xs[i]))) for i in range(4)]
+    assert want[3] == 1.0
+    for i in range(4):
+        assert_bits_equal(jax.jit(primitives.auto_tensor_scale)(xs[i]), want[i], f"member {i}")
+    assert_bits_equal(jax.vmap(primitives.auto_tensor_scale)(xs), np.stack(want), "vmap")
     g = jax.grad(lambda t: jnp.sum(jf.fake_quantize(t, "nvfp4", tensor_scale="auto")))(xs[0])
     assert np.asarray(g).shape == x[0].shape and np.isfinite(np.asarray(g)).all()
 

@@ -646,7 +646,7 @@ __global__ void __launch_bounds__(kThreads, 1) dequantize_kernel(
 
 // max |x| over the tensor as float32 bits (codecs.h block_absmax_bits over everything),
 // atomically max-ed into *out (zeroed before the launch): the per-tensor amax of NVFP4
-// tensor_scale="auto", one read of x.
+// tensor_scale="auto", one read of x. tensor_scale_kernel then turns it into the scale.
 template <typename L>
 __global__ void __launch_bounds__(kThreads) amax_kernel(const typename L::storage* __restrict__ x,
                                                         int64_t n, uint32_t* __restrict__ out) {
@@ -847,22 +847,28 @@ ffi::Error FakeQuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffe
   });
 }
 
-// amax: x (R, K) f32/bf16/f16 -> () f32, max |x| (NaN if any NaN), csrc/README.md.
-ffi::Error AmaxImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out) {
-  const std::string where = "jax_fp4_amax_v1 (CUDA)";
+__global__ void tensor_scale_kernel(uint32_t* bits) {
+  *reinterpret_cast<float*>(bits) = nvfp4_tensor_scale_from_amax(*bits);
+}
+
+// tensor_scale: x (R, K) f32/bf16/f16 -> () f32, the NVFP4 per-tensor scale of x
+// (codecs.h nvfp4_tensor_scale_from_amax of max |x|), csrc/README.md.
+ffi::Error TensorScaleImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out) {
+  const std::string where = "jax_fp4_tensor_scale_v1 (CUDA)";
   JF4_RETURN_IF_ERROR(validate_x(where, "x", x));
   if (out->element_type() != ffi::DataType::F32 || out->element_count() != 1)
     return invalid(where, "buffer `out` must be a float32 scalar");
   if (cudaMemsetAsync(out->untyped_data(), 0, sizeof(uint32_t), stream) != cudaSuccess)
     return launched(where);
   const int64_t n = static_cast<int64_t>(x.element_count());
-  if (n == 0) return ffi::Error::Success();
   const int64_t n_chunks = n / kChunk;
+  uint32_t* bits = static_cast<uint32_t*>(out->untyped_data());
   return with_io(x.element_type(), [&](auto L) {
     using LT = decltype(L);
-    amax_kernel<LT><<<std::max(1, grid_for((n_chunks + 3) / 4, 16)), kThreads, 0, stream>>>(
-        static_cast<const typename LT::storage*>(x.untyped_data()), n,
-        static_cast<uint32_t*>(out->untyped_data()));
+    if (n > 0)
+      amax_kernel<LT><<<std::max(1, grid_for((n_chunks + 3) / 4, 16)), kThreads, 0, stream>>>(
+          static_cast<const typename LT::storage*>(x.untyped_data()), n, bits);
+    tensor_scale_kernel<<<1, 1, 0, stream>>>(bits);
     return launched(where);
   });
 }
@@ -908,7 +914,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4FakeQuantizeV1Cuda, jf4::cuda::FakeQuantizeI
                                   .Attr<int32_t>("rceil")
                                   .Attr<int32_t>("two_level"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4AmaxV1Cuda, jf4::cuda::AmaxImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4TensorScaleV1Cuda, jf4::cuda::TensorScaleImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()
