@@ -1,12 +1,14 @@
 // CUDA FFI handlers for quantize / dequantize / fake-quantize (csrc/README.md contract).
 //
-// Memory-bound kernels: one thread owns a chunk of 8 consecutive elements (half an NVFP4
-// block, a quarter of an MX block, 1/G of a codebook/INT4 group), so a warp's 16-byte
-// loads and stores of bf16/f16 cover 512 contiguous bytes; the G = block_size/8 threads of
-// a quantization block reduce the block statistics with warp shuffles (G <= 32) or through
-// shared memory (G up to 512 = block size 4096). Codes leave as one 4/6/8-byte store. The per-element and per-block arithmetic is
-// csrc/codecs.h, shared with the CPU kernels, so both match the reference bit for bit.
-// Element indices are 64-bit (tensors above 2^31 elements).
+// Memory-bound kernels: one thread owns a chunk of 16 consecutive elements (an NVFP4
+// block, half an MX block, 1/G of a codebook/INT4 group) and loads the next chunk of its
+// grid-stride loop before it encodes this one; the G = block_size/16 threads of a
+// quantization block reduce the block statistics with warp shuffles (G <= 32) or through
+// shared memory (G up to 256 = block size 4096). Codes leave as one 8/12/16-byte store.
+// The per-block arithmetic is csrc/codecs.h, shared with the CPU kernels; per element,
+// hardware conversions and the fast encoders below that equal the codecs.h ones, so the
+// kernels match the reference bit for bit. Element indices are 64-bit (tensors above
+// 2^31 elements). Design log and measurements: benchmarks/NOTES.md.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
