@@ -36,7 +36,7 @@ def export_disabled_checks() -> list:
     """``disabled_checks`` for ``jax.export.export`` of functions that call our kernels.
 
     jax.export refuses custom calls without a compatibility guarantee; ours carry a
-    versioned, stable name (``jax_fp4_<op>_v1``) whose meaning never changes, so callers
+    versioned, stable name (``jax_fp4_<op>_v<N>``) whose meaning never changes, so callers
     opt in with ``jax.export.export(f, disabled_checks=jax_fp4.export_disabled_checks())``.
     The deserialized artifact needs jax_fp4 imported (to register the targets) to run.
     """

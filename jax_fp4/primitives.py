@@ -206,7 +206,7 @@ def _quantize_ffi_attrs(*, fmt, block_size, rceil, two_level, swizzled=False, **
 _def_impl(quantize_p)
 quantize_p.def_abstract_eval(_quantize_abstract)
 batching.primitive_batchers[quantize_p] = _quantize_batch
-_register_lowerings(quantize_p, "jax_fp4_quantize_v1", _quantize_ref,
+_register_lowerings(quantize_p, "jax_fp4_quantize_v2", _quantize_ref,
                     ffi_attrs=_quantize_ffi_attrs, multiple_results=True)
 
 

@@ -145,7 +145,7 @@ def test_cuda_lowering_uses_our_custom_calls():
     text = jax.jit(lambda v: jf.fake_quantize(v, "nvfp4")).lower(x).as_text()
     assert "jax_fp4_fake_quantize_v1" in text
     text = jax.jit(lambda v: jf.quantize(v, "mxfp4").dequantize()).lower(x).as_text()
-    assert "jax_fp4_quantize_v1" in text and "jax_fp4_dequantize_v1" in text
+    assert "jax_fp4_quantize_v2" in text and "jax_fp4_dequantize_v1" in text
 
 
 def test_cuda_transforms(rng):

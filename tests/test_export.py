@@ -23,7 +23,7 @@ def test_export_round_trip_calls_cpu_kernels(rng):
         jax.export.export(jax.jit(f))(x)
     exp = jax.export.export(jax.jit(f), disabled_checks=jf.export_disabled_checks())(x)
     text = exp.mlir_module()
-    for target in ("jax_fp4_quantize_v1", "jax_fp4_dequantize_v1", "jax_fp4_fake_quantize_v1"):
+    for target in ("jax_fp4_quantize_v2", "jax_fp4_dequantize_v1", "jax_fp4_fake_quantize_v1"):
         assert f"@{target}" in text, target
     back = jax.export.deserialize(exp.serialize())
     got = back.call(x)

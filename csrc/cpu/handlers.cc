@@ -123,7 +123,7 @@ ffi::Error QuantizeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer t
                         ffi::Result<ffi::AnyBuffer> codes, ffi::Result<ffi::AnyBuffer> scales,
                         ffi::Result<ffi::AnyBuffer> zeros, int32_t fmt, int64_t block_size,
                         int32_t rceil, int32_t two_level, int32_t swizzled) {
-  const std::string where = "jax_fp4_quantize_v1";
+  const std::string where = "jax_fp4_quantize_v2";
   JF4_RETURN_IF_ERROR(validate_x(where, "x", x));
   Problem p{};
   JF4_RETURN_IF_ERROR(validate_problem(where, fmt, block_size, rceil, two_level,
@@ -140,6 +140,29 @@ ffi::Error QuantizeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer t
                    static_cast<uint8_t*>(codes->untyped_data()), scales->untyped_data(),
                    static_cast<uint8_t*>(zeros->untyped_data())),
       where);
+}
+
+// jax_fp4_quantize_v1 (kept for jax.export artifacts that name it): v2 with linear scales.
+ffi::Error QuantizeV1Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer ts,
+                          ffi::Result<ffi::AnyBuffer> codes, ffi::Result<ffi::AnyBuffer> scales,
+                          ffi::Result<ffi::AnyBuffer> zeros, int32_t fmt, int64_t block_size,
+                          int32_t rceil, int32_t two_level) {
+  return QuantizeImpl(pool, x, ts, codes, scales, zeros, fmt, block_size, rceil, two_level, 0);
+}
+
+// Buffers and attributes shared by quantize v1 and v2 (v2 adds `swizzled`).
+auto QuantizeBinding() {
+  return xla::ffi::Ffi::Bind()
+      .Ctx<xla::ffi::ThreadPool>()
+      .Arg<xla::ffi::AnyBuffer>()  // x
+      .Arg<xla::ffi::AnyBuffer>()  // ts
+      .Ret<xla::ffi::AnyBuffer>()  // codes
+      .Ret<xla::ffi::AnyBuffer>()  // scales
+      .Ret<xla::ffi::AnyBuffer>()  // zeros
+      .Attr<int32_t>("fmt")
+      .Attr<int64_t>("block_size")
+      .Attr<int32_t>("rceil")
+      .Attr<int32_t>("two_level");
 }
 
 ffi::Error DequantizeImpl(ffi::ThreadPool pool, ffi::AnyBuffer codes, ffi::AnyBuffer scales,
@@ -189,19 +212,10 @@ ffi::Error FakeQuantizeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuff
 }  // namespace cpu
 }  // namespace jf4
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4QuantizeV1Cpu, jf4::cpu::QuantizeImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::ThreadPool>()
-                                  .Arg<xla::ffi::AnyBuffer>()   // x
-                                  .Arg<xla::ffi::AnyBuffer>()   // ts
-                                  .Ret<xla::ffi::AnyBuffer>()   // codes
-                                  .Ret<xla::ffi::AnyBuffer>()   // scales
-                                  .Ret<xla::ffi::AnyBuffer>()   // zeros
-                                  .Attr<int32_t>("fmt")
-                                  .Attr<int64_t>("block_size")
-                                  .Attr<int32_t>("rceil")
-                                  .Attr<int32_t>("two_level")
-                                  .Attr<int32_t>("swizzled"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4QuantizeV1Cpu, jf4::cpu::QuantizeV1Impl,
+                              jf4::cpu::QuantizeBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4QuantizeV2Cpu, jf4::cpu::QuantizeImpl,
+                              jf4::cpu::QuantizeBinding().Attr<int32_t>("swizzled"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4DequantizeV1Cpu, jf4::cpu::DequantizeImpl,
                               xla::ffi::Ffi::Bind()

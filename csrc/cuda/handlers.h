@@ -16,6 +16,7 @@
 
 #define JAX_FP4_CUDA_HANDLERS(X)                         \
   X("jax_fp4_quantize_v1", JaxFp4QuantizeV1Cuda)         \
+  X("jax_fp4_quantize_v2", JaxFp4QuantizeV2Cuda)         \
   X("jax_fp4_dequantize_v1", JaxFp4DequantizeV1Cuda)     \
   X("jax_fp4_fake_quantize_v1", JaxFp4FakeQuantizeV1Cuda) \
   X("jax_fp4_wmatmul_v1", JaxFp4WMatmulV1Cuda)      \

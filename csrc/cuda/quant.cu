@@ -762,7 +762,7 @@ ffi::Error QuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer ts
                         ffi::Result<ffi::AnyBuffer> codes, ffi::Result<ffi::AnyBuffer> scales,
                         ffi::Result<ffi::AnyBuffer> zeros, int32_t fmt, int64_t block_size,
                         int32_t rceil, int32_t two_level, int32_t swizzled) {
-  const std::string where = "jax_fp4_quantize_v1 (CUDA)";
+  const std::string where = "jax_fp4_quantize_v2 (CUDA)";
   JF4_RETURN_IF_ERROR(validate_x(where, "x", x));
   Problem p;
   JF4_RETURN_IF_ERROR(validate_problem(where, fmt, block_size, rceil, two_level,
@@ -789,6 +789,29 @@ ffi::Error QuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer ts
       return launched(where);
     });
   });
+}
+
+// jax_fp4_quantize_v1 (kept for jax.export artifacts that name it): v2 with linear scales.
+ffi::Error QuantizeV1Impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer ts,
+                          ffi::Result<ffi::AnyBuffer> codes, ffi::Result<ffi::AnyBuffer> scales,
+                          ffi::Result<ffi::AnyBuffer> zeros, int32_t fmt, int64_t block_size,
+                          int32_t rceil, int32_t two_level) {
+  return QuantizeImpl(stream, x, ts, codes, scales, zeros, fmt, block_size, rceil, two_level, 0);
+}
+
+// Buffers and attributes shared by quantize v1 and v2 (v2 adds `swizzled`).
+auto QuantizeBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Arg<ffi::AnyBuffer>()  // x
+      .Arg<ffi::AnyBuffer>()  // ts
+      .Ret<ffi::AnyBuffer>()  // codes
+      .Ret<ffi::AnyBuffer>()  // scales
+      .Ret<ffi::AnyBuffer>()  // zeros
+      .Attr<int32_t>("fmt")
+      .Attr<int64_t>("block_size")
+      .Attr<int32_t>("rceil")
+      .Attr<int32_t>("two_level");
 }
 
 ffi::Error DequantizeImpl(cudaStream_t stream, ffi::AnyBuffer codes, ffi::AnyBuffer scales,
@@ -879,19 +902,10 @@ ffi::Error TensorScaleImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ff
 }  // namespace cuda
 }  // namespace jf4
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4QuantizeV1Cuda, jf4::cuda::QuantizeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int32_t>("fmt")
-                                  .Attr<int64_t>("block_size")
-                                  .Attr<int32_t>("rceil")
-                                  .Attr<int32_t>("two_level")
-                                  .Attr<int32_t>("swizzled"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4QuantizeV1Cuda, jf4::cuda::QuantizeV1Impl,
+                              jf4::cuda::QuantizeBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4QuantizeV2Cuda, jf4::cuda::QuantizeImpl,
+                              jf4::cuda::QuantizeBinding().Attr<int32_t>("swizzled"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4DequantizeV1Cuda, jf4::cuda::DequantizeImpl,
                               ffi::Ffi::Bind()
