@@ -17,7 +17,6 @@
 #include <algorithm>
 
 #include <cstdint>
-#include <type_traits>
 
 #include "../codecs.h"
 #include "../cpu/kernels.h"
@@ -50,14 +49,14 @@ constexpr int kThreads = 512;  // threads per CTA
 // f32_to_f16); only NaN payloads may differ, and the spec does not fix those. amax_bits
 // is codecs.h block_absmax_bits of the chunk (max of |x| bits: NaN > Inf > finite),
 // taken on the packed words with the DPX 3-way min/max.
-template <typename S, int NW>
+template <int NW>
 struct Raw {
   uint4 w[NW];
 };
 
 struct IoF32 {
   using storage = float;
-  using Raw = jf4::cuda::Raw<float, 4>;
+  using Raw = jf4::cuda::Raw<4>;
   __device__ static Raw load(const float* p) {
     Raw r;
 #pragma unroll
@@ -92,7 +91,7 @@ struct IoF32 {
 template <bool BF16>
 struct Io16 {
   using storage = uint16_t;
-  using Raw = jf4::cuda::Raw<uint16_t, 2>;
+  using Raw = jf4::cuda::Raw<2>;
   __device__ static Raw load(const uint16_t* p) {
     Raw r;
     r.w[0] = __ldg(reinterpret_cast<const uint4*>(p));
