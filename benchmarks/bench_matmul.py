@@ -1,7 +1,8 @@
 """Device time of W4A16 matmul and block-scaled matmul on the GPU vs bf16 ``jnp.dot``.
 
 Method (DESIGN.md section 7): one jitted function runs the op on R distinct weights
-(together larger than L2), time / R, median of repeats; in the same run the baselines:
+(together larger than L2); its GPU time (the kernels' durations in the JAX profiler's
+device trace over 5 calls, bench_quant.device_time) / R; in the same run the baselines:
 bf16 ``jnp.dot`` on bf16 weights, the jitted jnp reference (dequantize + dot), the
 weight-bytes floor (weight + scale bytes / the measured copy roof) and, for the
 block-scaled matmul, ``jax.nn.scaled_dot_general`` (nvfp4, mxfp8; it quantizes its bf16
@@ -26,7 +27,7 @@ import jax_fp4 as jf
 from jax_fp4 import primitives
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_quant import L2_BYTES, copy_roof, median_time  # noqa: E402
+from bench_quant import L2_BYTES, copy_roof, device_time  # noqa: E402
 
 LLAMA_SHAPES = ["4096x4096", "4096x14336", "14336x4096", "8192x8192", "8192x28672",
                 "28672x8192"]
@@ -51,7 +52,7 @@ def path_of(fn, args):
 
 def timed(fn, args, r):
     try:
-        return median_time(fn, args, repeats=15) / r
+        return device_time(fn, args) / r
     except Exception as e:  # e.g. a reference that does not fit: say so, go on
         print(f"#   {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
         return float("nan")
@@ -155,8 +156,9 @@ def main(argv=None):
     note = (f"\n## W4A16 and block-scaled matmul ({datetime.date.today()})\n\n"
             f"Command: `python benchmarks/bench_matmul.py {' '.join(argv or sys.argv[1:])}`; "
             f"GPU: {dev.device_kind}; jax {jax.__version__}; copy roof {roof / 1e9:.0f} GB/s. "
-            "Device time per call = median over 15 calls of one jitted function running the op "
-            "on R distinct weights (together > L2), divided by R. x bf16 (M, K); weight "
+            "Device time per call = GPU kernel time (JAX profiler device trace, 5 calls) of one "
+            "jitted function running the op on R distinct weights (together > L2), divided by "
+            "R. x bf16 (M, K); weight "
             "(K, N) blocked along K. 'ideal' = bf16 weight bytes / 4-bit weight + scale bytes; "
             "'% of floor' = (weight + scale bytes / copy roof) / time.\n\n")
     table = ("| K x N | M | weight | path | time (us) | bf16 dot (us) | x vs bf16 | ideal x | "

@@ -40,7 +40,8 @@ for fmt, bs, kw in cases if "quant" in parts else []:
             n += 4
 # fused W4A16: ragged M (one M-chunk and several), K not a multiple of 128, N not of 128
 mm_cases = [("nvfp4", 16, {}), ("nvfp4", 16, {"tensor_scale": "auto"}), ("mxfp4", 32, {}),
-            ("nf4", 64, {}), ("bnb_fp4", 32, {}), ("int4", 32, {}), ("int4", 128, {})]
+            ("nf4", 64, {}), ("bnb_fp4", 32, {}), ("int4", 32, {}), ("int4", 128, {}),
+            ("int4", 128, {"scale_dtype": jnp.bfloat16}), ("int4", 16, {"scale_dtype": jnp.float16})]
 for fmt, bs, kw in mm_cases if "matmul" in parts else []:
     k = 3 * max(bs, 64)
     q = jf.quantize(jnp.asarray(rng.standard_normal((k, 136)), jnp.float32), fmt, axis=0,

@@ -46,28 +46,45 @@ using cpu::validate_quantized;
 using cpu::validate_ts;
 namespace {
 
-constexpr int kWarps = 4;                             // warps per CTA
+constexpr int kWarps = 4;                             // warps per CTA (both kernels)
 constexpr int kRowTiles = 2;                          // 16-row weight tiles per warp
 constexpr int kRowsPerCta = kWarps * kRowTiles * 16;  // 128
-constexpr int kStepK = 128;                           // k per super-step
+constexpr int kStepK = 128;                           // k per super-step (staged kernel)
 constexpr int kXStride = 320;  // bytes per staged activation row: 256 + 64 (no bank conflicts)
+constexpr int kCopies = 16;    // pair-table copies (decode kernel): lane l reads copy l % 16,
+                               // which lies in bank pair l % 16: conflict-free
+constexpr int kStagedCopies = 4;  // staged kernel (decode amortised over MT activation tiles)
 
 struct WParams {
   int64_t M, N, K;
+  int K32;                 // K as int (K < 2^31 is checked by the handler)
   int64_t nb;              // scale blocks per weight row
   int bs;                  // block size: a power of two >= 16
   int bs_shift;            // log2(bs)
-  int64_t n_steps;         // ceil(K / step): step = 128 k (staged) or 1024 k (direct)
+  int64_t n_steps;         // ceil(K / step): step = 128 k (staged) or kDirectStepK (direct)
   int64_t steps_per_split;
   int two_level;
   int st;                  // INT4 scale storage type
 };
 
-// Raw bits of one weight row's K-chunk (32 elements) for one super-step.
+// Raw bits of one weight row's K-chunk (32 elements).
 struct Chunk {
-  uint4 q;           // 32 codes, element 2i in the low nibble of byte i
-  uint32_t s0, s1;   // scale bits of the chunk's first / second 16 (bs == 16) elements
-  uint32_t z0, z1;   // INT4 zero points
+  uint4 q;       // 32 codes, element 2i in the low nibble of byte i
+  uint32_t s;    // scale bits: nvfp4 / mxfp4 = the E4M3 / E8M0 bytes of the chunk's first and
+                 // second 16 elements in bytes 0 and 1; other formats = the first 16's scale
+  uint32_t s1;   // INT4: the second 16's scale (= s unless block_size == 16)
+  uint32_t z;    // INT4 zero points: first 16 in bits 0-7, second 16 in bits 8-15
+};
+
+// The weight rows a lane loads: rows n0 + 8 i (i = 2 * tile + half) as base pointers of
+// row n0 plus a stride of 8 rows (32-bit offsets within a row: K < 2^31). Rows past N are
+// not loaded (their chunks are zero) and not stored.
+struct Rows {
+  const uint8_t* codes;
+  const uint8_t* scales;
+  const uint8_t* zeros;
+  int64_t code_stride, scale_stride, zero_stride;  // bytes per 8 rows
+  int64_t n0;
 };
 
 template <int FMT>
@@ -105,28 +122,55 @@ __device__ float scale_value(uint32_t bits, float ts, const WParams& p) {
 }
 
 template <int FMT>
-__device__ void load_chunk(Chunk& c, const uint8_t* __restrict__ codes,
-                           const void* __restrict__ scales, const uint8_t* __restrict__ zeros,
-                           int64_t row, int64_t k, const WParams& p) {
-  if (k >= p.K) {  // past K: never decoded (the lane's A fragment is zeroed)
-    c.q = make_uint4(0, 0, 0, 0);
-    c.s0 = c.s1 = c.z0 = c.z1 = 0;
-    return;
-  }
-  c.q = __ldg(reinterpret_cast<const uint4*>(codes + row * (p.K >> 1) + (k >> 1)));
-  const int64_t b = row * p.nb + (k >> p.bs_shift);
-  c.s0 = load_scale_bits<FMT>(scales, b, p.st);
-  c.s1 = p.bs == 16 ? load_scale_bits<FMT>(scales, b + 1, p.st) : c.s0;
-  if constexpr (FMT == kINT4) {
-    c.z0 = __ldg(zeros + b);
-    c.z1 = p.bs == 16 ? __ldg(zeros + b + 1) : c.z0;
+__device__ __forceinline__ Rows make_rows(const uint8_t* codes, const void* scales,
+                                          const uint8_t* zeros, int64_t n0, const WParams& p) {
+  const int64_t esize = FMT == kNF4 || FMT == kBNB_FP4 ? 4
+                        : FMT == kINT4                 ? (p.st == kScaleF32 ? 4 : 2)
+                                                       : 1;
+  Rows r;
+  r.codes = codes + n0 * (p.K >> 1);
+  r.scales = static_cast<const uint8_t*>(scales) + n0 * p.nb * esize;
+  r.zeros = FMT == kINT4 ? zeros + n0 * p.nb : zeros;
+  r.code_stride = 8 * (p.K >> 1);
+  r.scale_stride = 8 * p.nb * esize;
+  r.zero_stride = 8 * p.nb;
+  r.n0 = n0;
+  return r;
+}
+
+// Chunks past K (valid = false) load as zeros (codes 0 and scale bits 0 decode to a
+// finite value), and the activations there are zero, so they add nothing.
+template <int FMT, bool BITS>
+__device__ __forceinline__ void load_chunk(Chunk& c, const Rows& rs, int i, int k, bool kvalid,
+                                           const WParams& p) {
+  const bool valid = kvalid && rs.n0 + 8 * i < p.N;
+  const uint8_t* codes = rs.codes + i * rs.code_stride;
+  const uint8_t* scales = rs.scales + i * rs.scale_stride;
+  c.q = valid ? __ldg(reinterpret_cast<const uint4*>(codes + (k >> 1))) : make_uint4(0, 0, 0, 0);
+  const int b = k >> p.bs_shift;  // the chunk's first block within the row
+  c.s1 = c.z = 0;
+  if constexpr (FMT == kNVFP4) {  // blocks of 16: both E4M3 scales in one 2-byte load
+    c.s = valid ? __ldg(reinterpret_cast<const unsigned short*>(scales + b)) : 0u;
+  } else if constexpr (FMT == kMXFP4) {  // blocks of 32: one E8M0 scale
+    c.s = valid ? __ldg(scales + b) * 0x101u : 0u;
+  } else if constexpr (FMT == kINT4) {
+    const uint8_t* zeros = rs.zeros + i * rs.zero_stride;
+    const bool two = p.bs == 16, f32 = !BITS && p.st == kScaleF32;  // bit path: 16-bit scales
+    const auto ld = [&](int j) -> uint32_t {
+      return f32 ? f2u(__ldg(reinterpret_cast<const float*>(scales) + j))
+                 : __ldg(reinterpret_cast<const unsigned short*>(scales) + j);
+    };
+    c.s = valid ? ld(b) : 0u;
+    c.s1 = valid && two ? ld(b + 1) : c.s;
+    const uint32_t z0 = valid ? __ldg(zeros + b) : 0u;
+    c.z = z0 | ((valid && two ? static_cast<uint32_t>(__ldg(zeros + b + 1)) : z0) << 8);
   } else {
-    c.z0 = c.z1 = 0;
+    c.s = valid ? f2u(__ldg(reinterpret_cast<const float*>(scales) + b)) : 0u;
   }
 }
 
 template <bool BF16>
-__device__ uint32_t pack2(float lo, float hi) {
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   if constexpr (BF16) {
     const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<const uint32_t*>(&h);
@@ -136,16 +180,227 @@ __device__ uint32_t pack2(float lo, float hi) {
   }
 }
 
-// Two weight elements (one code byte) -> x-dtype pair: (v - z) * s in float32, rounded.
-template <int FMT, bool BF16>
-__device__ uint32_t decode_pair(const float2* table, uint32_t byte, float s, float z) {
-  const float2 v = table[byte];
-  float lo = v.x, hi = v.y;
-  if constexpr (FMT == kINT4) {
-    lo = __fsub_rn(lo, z);
-    hi = __fsub_rn(hi, z);
+template <bool BF16>
+__device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
+  if constexpr (BF16) {
+    const __nv_bfloat162 r = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&a),
+                                     *reinterpret_cast<const __nv_bfloat162*>(&b));
+    return *reinterpret_cast<const uint32_t*>(&r);
+  } else {
+    const __half2 r = __hmul2(*reinterpret_cast<const __half2*>(&a),
+                              *reinterpret_cast<const __half2*>(&b));
+    return *reinterpret_cast<const uint32_t*>(&r);
   }
-  return pack2<BF16>(__fmul_rn(lo, s), __fmul_rn(hi, s));
+}
+
+template <bool BF16>
+__device__ __forceinline__ uint32_t hsub2(uint32_t a, uint32_t b) {
+  if constexpr (BF16) {
+    const __nv_bfloat162 r = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&a),
+                                     *reinterpret_cast<const __nv_bfloat162*>(&b));
+    return *reinterpret_cast<const uint32_t*>(&r);
+  } else {
+    const __half2 r = __hsub2(*reinterpret_cast<const __half2*>(&a),
+                              *reinterpret_cast<const __half2*>(&b));
+    return *reinterpret_cast<const uint32_t*>(&r);
+  }
+}
+
+// ---- Decoding one code word (8 elements of one weight row) into 4 MMA A registers ----
+//
+// out[0], out[1] are the (k 2t, 2t+1) and (k 2t+8, 2t+9) registers of the first of two
+// m16n8k16 steps, out[2], out[3] those of the second. The MMA sums over k, so which
+// physical elements form a register pair is free as long as the activations (B) use the
+// same pairing (x_pairs below):
+// - table path: register i = the two elements of code byte i, physical (2i, 2i+1);
+// - bit path:   register p = physical (p, p+4), so that one shift and one LOP3 place both
+//               nibbles of a pair (nibble p in bits 4p.., nibble p+4 in bits 4p+16..).
+//
+// Bit path (nvfp4 one level, mxfp4 with bf16 x, int4 with scales in x's dtype): the
+// element value v and the block scale s are exact in x's dtype and v * s is exact in
+// float32, so one packed multiply rounds exactly as the reference's float32 product
+// rounded to x's dtype (DESIGN.md section 3, "Dequantize to bf16/f16").
+// E2M1: magnitude bits (e1 e0 m) go to the dtype's lowest exponent bits and top mantissa
+// bit (bf16 bits 8:6, f16 bits 11:9) and the sign to bit 15: those bits are the value
+// v * 2^-126 (bf16) or v * 2^-14 (f16) including the subnormal codes 0 and 0.5, so one
+// exact multiply by 2^126 / 2^14 gives v, then one by s (two multiplies: s * 2^126 would
+// overflow bf16). INT4: (128 + q) in bf16 / (1024 + q) in f16 by OR-ing q into the
+// mantissa of 128 / 1024 (Marlin's magic-number trick), minus (128 + z) exactly, times s.
+// Table path (everything else): a per-CTA table byte -> (value of low nibble, value of
+// high nibble) in float32, kCopies copies laid out so that lane l's copy sits in bank
+// pair l % 16 (conflict-free), then the reference's float32 arithmetic and one rounding.
+
+// (a & mask) | (b & ~mask) as one LOP3 (written out: the compiler would otherwise mask
+// the sign words itself and spend a second LOP3 per pair).
+template <uint32_t MASK>
+__device__ __forceinline__ uint32_t select_bits(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xe4;\n" : "=r"(d) : "r"(a), "r"(b), "n"(MASK));
+  return d;
+}
+
+template <uint32_t MASK>
+__device__ __forceinline__ uint32_t and_bits(uint32_t a) {  // kept apart from the shifts below
+  uint32_t d;
+  asm("and.b32 %0, %1, %2;\n" : "=r"(d) : "r"(a), "n"(MASK));
+  return d;
+}
+
+template <bool BF16>
+__device__ __forceinline__ void e2m1_bits(uint32_t w, uint32_t p[4]) {
+  // signs of the odd nibbles (bits 7, 15, 23, 31) and of the even ones moved there
+  const uint32_t hi = and_bits<0x80808080u>(w), lo = and_bits<0x80808080u>(w << 4);
+  if constexpr (BF16) {
+    // The sign words carry only sign bits; those of the neighbouring pairs land on bits
+    // 7 / 23, which the magnitude mask takes from the other operand: one LOP3 per pair.
+    constexpr uint32_t kMag = 0x01c001c0u;
+    p[0] = select_bits<kMag>(w << 6, lo << 8);
+    p[1] = select_bits<kMag>(w << 2, hi << 8);
+    p[2] = select_bits<kMag>(w >> 2, lo);
+    p[3] = select_bits<kMag>(w >> 6, hi);
+  } else {
+    constexpr uint32_t kMag = 0x0e000e00u, kSign = 0x80008000u;
+    p[0] = ((w << 9) & kMag) | ((lo << 8) & kSign);
+    p[1] = ((w << 5) & kMag) | ((hi << 8) & kSign);
+    p[2] = ((w << 1) & kMag) | (lo & kSign);
+    p[3] = ((w >> 3) & kMag) | (hi & kSign);
+  }
+}
+
+template <bool BF16>
+constexpr uint32_t kE2M1Fix = BF16 ? 0x7e807e80u : 0x74007400u;  // 2^126 / 2^14, both halves
+template <bool BF16>
+constexpr uint32_t kInt4Magic = BF16 ? 0x43004300u : 0x64006400u;  // 128 / 1024
+
+template <int FMT, bool BF16>
+constexpr bool kHasBitPath = FMT == kNVFP4 || FMT == kINT4 || (FMT == kMXFP4 && BF16);
+// nvfp4 (one level) with bf16 x folds the 2^126 into the scale as s * 2^117 (<= 448 * 2^117,
+// finite in bf16) and the remaining 2^9 into the float32 accumulator: the MMA sees
+// w * 2^-9 (exact: |w| >= 2^-10, so w * 2^-9 stays a normal bf16), one multiply per pair.
+// The sum is the same up to the accumulator's subnormal range (|x w| < 2^-117).
+template <int FMT, bool BF16, bool BITS>
+constexpr bool kFold = BITS && BF16 && FMT == kNVFP4;
+template <int FMT, bool BF16, bool BITS>
+constexpr float kAccScale = kFold<FMT, BF16, BITS> ? 512.0f : 1.0f;
+
+// The E4M3 bytes 0 and 1 of `bits` in float32 (one cvt.rn.f16x2.e4m3x2 on sm_89+).
+__device__ __forceinline__ void e4m3x2_decode(uint32_t bits, float* lo, float* hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(bits & 0xffffu),
+                                                   __NV_E4M3);
+  const float2 f = __half22float2(__half2(h));
+  *lo = f.x;
+  *hi = f.y;
+#else
+  *lo = e4m3_decode(bits & 0xffu);
+  *hi = e4m3_decode(bits >> 8);
+#endif
+}
+
+// Decode constants of one (row, 16-element half of a chunk).
+struct Dec {
+  uint32_t s2, z2;  // bit path: scale pair, INT4 (magic + z) pair
+  float s, z;       // table path
+};
+
+template <int FMT, bool BF16, bool BITS>
+__device__ __forceinline__ Dec make_dec(uint32_t sbits, uint32_t zbits, float ts,
+                                        const WParams& p) {
+  Dec d;
+  if constexpr (BITS && FMT == kMXFP4) {  // bf16 bits of 2^(c - 127): exact, c = 0 subnormal
+    const uint32_t c = sbits & 0xffu;
+    const uint32_t h = c == 255u ? 0x7fc0u : (c == 0u ? 0x40u : c << 7);
+    d.s2 = h * 0x10001u;
+    d.z2 = 0;
+  } else if constexpr (BITS && FMT == kINT4) {  // scales stored in x's dtype: their bits
+    d.s2 = (sbits & 0xffffu) * 0x10001u;
+    d.z2 = ((kInt4Magic<BF16> & 0xffffu) + zbits) * 0x10001u;  // 128 + z / 1024 + z: exact
+  } else if constexpr (BITS) {  // one-level nvfp4
+    float s = e4m3_decode(sbits);
+    if constexpr (kFold<FMT, BF16, BITS>) s *= 0x1p117f;
+    d.s2 = pack2<BF16>(s, s);  // exact: s * 2^117 <= 448 * 2^117 and has 4 significant bits
+    d.z2 = 0;
+  } else {
+    d.s = scale_value<FMT>(sbits, ts, p);
+    d.z = static_cast<float>(zbits);
+  }
+  return d;
+}
+
+// Both halves of a chunk.
+template <int FMT, bool BF16, bool BITS>
+__device__ __forceinline__ void make_decs(const Chunk& c, float ts, const WParams& p, Dec d[2]) {
+  if constexpr (FMT == kNVFP4 && BITS) {
+    float s0, s1;
+    e4m3x2_decode(c.s, &s0, &s1);
+    if constexpr (kFold<FMT, BF16, BITS>) {
+      s0 *= 0x1p117f;
+      s1 *= 0x1p117f;
+    }
+    d[0].s2 = pack2<BF16>(s0, s0);
+    d[1].s2 = pack2<BF16>(s1, s1);
+  } else if constexpr (FMT == kNVFP4) {
+    d[0] = make_dec<FMT, BF16, BITS>(c.s & 0xffu, 0, ts, p);
+    d[1] = make_dec<FMT, BF16, BITS>(c.s >> 8, 0, ts, p);
+  } else if constexpr (FMT == kINT4 && BITS) {  // s1, z >> 8 repeat s, z unless bs == 16
+    d[0] = make_dec<FMT, BF16, BITS>(c.s, c.z & 0xffu, ts, p);
+    d[1] = make_dec<FMT, BF16, BITS>(c.s1, c.z >> 8, ts, p);
+  } else if constexpr (FMT == kINT4) {
+    d[0] = make_dec<FMT, BF16, BITS>(c.s, c.z & 0xffu, ts, p);
+    d[1] = p.bs == 16 ? make_dec<FMT, BF16, BITS>(c.s1, c.z >> 8, ts, p) : d[0];
+  } else {
+    d[0] = d[1] = make_dec<FMT, BF16, BITS>(c.s, 0, ts, p);
+  }
+}
+
+template <int FMT, bool BF16, bool BITS, int COPIES>
+__device__ __forceinline__ void decode_word(uint32_t w, const Dec& d, const float2* table,
+                                            uint32_t copy, uint32_t out[4]) {
+  if constexpr (BITS && FMT == kINT4) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      uint32_t q;  // (w >> 4i) & 0x000f000f | magic as one LOP3 (the magic in a register)
+      asm("lop3.b32 %0, %1, %2, %3, 0xea;\n"
+          : "=r"(q) : "r"(w >> (4 * i)), "n"(0x000f000fu), "r"(kInt4Magic<BF16>));
+      out[i] = hmul2<BF16>(hsub2<BF16>(q, d.z2), d.s2);
+    }
+  } else if constexpr (BITS) {
+    e2m1_bits<BF16>(w, out);
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      out[i] = kFold<FMT, BF16, BITS> ? hmul2<BF16>(out[i], d.s2)
+                                      : hmul2<BF16>(hmul2<BF16>(out[i], kE2M1Fix<BF16>), d.s2);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 v = table[(((w >> (8 * i)) & 0xffu) * COPIES) | copy];
+      float lo = v.x, hi = v.y;
+      if constexpr (FMT == kINT4) {
+        lo = __fsub_rn(lo, d.z);
+        hi = __fsub_rn(hi, d.z);
+      }
+      out[i] = pack2<BF16>(__fmul_rn(lo, d.s), __fmul_rn(hi, d.s));
+    }
+  }
+}
+
+// Activations for one code word's 8 physical k (natural order in X) -> the B registers
+// of the two MMA steps in the pairing of decode_word.
+template <bool BITS>
+__device__ __forceinline__ uint4 x_pairs(uint4 X) {
+  if constexpr (BITS)  // (x0,x4) (x1,x5) (x2,x6) (x3,x7)
+    return make_uint4(__byte_perm(X.x, X.z, 0x5410), __byte_perm(X.x, X.z, 0x7632),
+                      __byte_perm(X.y, X.w, 0x5410), __byte_perm(X.y, X.w, 0x7632));
+  else
+    return X;
+}
+
+template <int FMT, int COPIES>
+__device__ void fill_table(float2* table, int tid, int nthreads) {
+  for (int i = tid; i < 256 * COPIES; i += nthreads) {
+    const uint32_t byte = static_cast<uint32_t>(i) / COPIES;
+    table[i] = make_float2(code_value<FMT>(byte & 15u), code_value<FMT>(byte >> 4));
+  }
 }
 
 template <bool BF16>
@@ -165,44 +420,86 @@ __device__ void mma16816(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) 
   }
 }
 
+// One 16-row tile times MT 8-column activation tiles for one code word per row half:
+// w[h] is the word of row g (h = 0) / g + 8 (h = 1), d[h] its decode constants, xb[mt]
+// the activation pairs (x_pairs) of the same 8 physical k.
+template <int FMT, bool BF16, bool BITS, int MT, int COPIES>
+__device__ __forceinline__ void tile_step(float (*acc)[4], const uint32_t w[2], const Dec d[2],
+                                          const uint4* xb, const float2* table, uint32_t copy) {
+  uint32_t r[2][4];
+  decode_word<FMT, BF16, BITS, COPIES>(w[0], d[0], table, copy, r[0]);
+  decode_word<FMT, BF16, BITS, COPIES>(w[1], d[1], table, copy, r[1]);
+  const uint32_t a0[4] = {r[0][0], r[1][0], r[0][1], r[1][1]};
+  const uint32_t a1[4] = {r[0][2], r[1][2], r[0][3], r[1][3]};
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    mma16816<BF16>(acc[mt], a0, xb[mt].x, xb[mt].y);
+    mma16816<BF16>(acc[mt], a1, xb[mt].z, xb[mt].w);
+  }
+}
+
+__device__ __forceinline__ uint32_t word_of(const uint4& q, int s2) {
+  return s2 == 0 ? q.x : s2 == 1 ? q.y : s2 == 2 ? q.z : q.w;
+}
+
+// D fragment: lane (g, t) holds rows (weight n) g / g + 8, columns (activation m) 2t, 2t+1.
+template <int MT>
+__device__ __forceinline__ void store_tile(float* o, const float (*acc)[4], float scale,
+                                           int64_t n0, int64_t m0, int g, int t,
+                                           const WParams& p) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int64_t n = n0 + h * 8 + g;
+    if (n >= p.N) continue;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int64_t m = m0 + 8 * mt + 2 * t + e;
+        if (m < p.M) o[m * p.N + n] = acc[mt][2 * h + e] * scale;
+      }
+  }
+}
+
 __device__ void cp_async16(void* smem, const void* gmem, bool valid) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem),
                "r"(valid ? 16 : 0));
 }
 
-// MT: 8-row activation tiles per CTA (M chunk = 8 * MT).
-template <int FMT, bool BF16, int MT>
+// Staged kernel (M > 16). MT: 8-row activation tiles per CTA (M chunk = 8 * MT).
+// Lane (g, t) owns k [32t, 32t + 32) of weight rows g, g + 8 of each of its tiles per
+// 128-k super-step; activations are staged per super-step in shared memory in the lane's
+// fragment order (bit path: pair-permuted on the way), zero past M and K.
+template <int FMT, bool BF16, bool BITS, int MT>
 __global__ void __launch_bounds__(kWarps * 32) wmatmul_kernel(
     const uint16_t* __restrict__ x, const uint8_t* __restrict__ codes,
     const void* __restrict__ scales, const uint8_t* __restrict__ zeros,
     const float* __restrict__ ts, float* __restrict__ out, const WParams p) {
   constexpr int MC = 8 * MT;
-  __shared__ float2 table[256];  // byte -> (value of low nibble, value of high nibble)
+  __shared__ __align__(16) float2 table[BITS ? 1 : 256 * kStagedCopies];
   __shared__ __align__(16) uint8_t xs[MC * kXStride];
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
-  for (int i = tid; i < 256; i += kWarps * 32)
-    table[i] = make_float2(code_value<FMT>(i & 15), code_value<FMT>(i >> 4));
+  const uint32_t copy = lane & (kStagedCopies - 1);
+  if constexpr (!BITS) fill_table<FMT, kStagedCopies>(table, tid, kWarps * 32);
 
   const int64_t m0 = static_cast<int64_t>(blockIdx.y) * MC;
   const int64_t n_warp = static_cast<int64_t>(blockIdx.x) * kRowsPerCta + warp * kRowTiles * 16;
   // rows [rt][h]: g (+8 for h = 1) of tile rt; loads clamp to the last row, stores skip
-  int64_t rows[kRowTiles][2];
+  const Rows rows = make_rows<FMT>(codes, scales, zeros, n_warp + g, p);
   float tsv[kRowTiles][2];
 #pragma unroll
   for (int rt = 0; rt < kRowTiles; ++rt)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int64_t n = n_warp + rt * 16 + h * 8 + g;
-      rows[rt][h] = n < p.N ? n : p.N - 1;
-      tsv[rt][h] = p.two_level ? __ldg(ts + rows[rt][h]) : 1.0f;
+      tsv[rt][h] = p.two_level ? __ldg(ts + (n < p.N ? n : p.N - 1)) : 1.0f;
     }
 
-  const int64_t step_begin = static_cast<int64_t>(blockIdx.z) * p.steps_per_split;
-  int64_t step_end = step_begin + p.steps_per_split;
-  if (step_end > p.n_steps) step_end = p.n_steps;
+  const int step_begin = static_cast<int>(blockIdx.z * p.steps_per_split);
+  const int step_end = static_cast<int>(min(step_begin + p.steps_per_split, p.n_steps));
 
   float acc[kRowTiles][MT][4];
 #pragma unroll
@@ -218,214 +515,215 @@ __global__ void __launch_bounds__(kWarps * 32) wmatmul_kernel(
     for (int rt = 0; rt < kRowTiles; ++rt)
 #pragma unroll
       for (int h = 0; h < 2; ++h)
-        load_chunk<FMT>(next[rt][h], codes, scales, zeros, rows[rt][h],
-                        step_begin * kStepK + 32 * t, p);
+        load_chunk<FMT, BITS>(next[rt][h], rows, 2 * rt + h, step_begin * kStepK + 32 * t,
+                        step_begin * kStepK + 32 * t < p.K, p);
   }
 
-  for (int64_t step = step_begin; step < step_end; ++step) {
+  for (int step = step_begin; step < step_end; ++step) {
     Chunk cur[kRowTiles][2];
 #pragma unroll
     for (int rt = 0; rt < kRowTiles; ++rt)
 #pragma unroll
       for (int h = 0; h < 2; ++h) cur[rt][h] = next[rt][h];
 
-    const int64_t k0 = step * kStepK;
+    const int k0 = step * kStepK;
     __syncthreads();  // every warp is done reading the previous super-step's activations
     for (int i = tid; i < MC * 16; i += kWarps * 32) {
       const int m = i >> 4, piece = i & 15;  // piece = 8 elements = physical (t, s2)
       const int64_t gm = m0 + m, k = k0 + 8 * piece;
       const bool valid = gm < p.M && k < p.K;
-      cp_async16(xs + m * kXStride + (piece & 3) * 64 + (piece >> 2) * 16,
-                 valid ? static_cast<const void*>(x + gm * p.K + k) : x, valid);
+      uint8_t* dst = xs + m * kXStride + (piece & 3) * 64 + (piece >> 2) * 16;
+      if constexpr (BITS) {
+        const uint4 v = valid ? __ldg(reinterpret_cast<const uint4*>(x + gm * p.K + k))
+                              : make_uint4(0, 0, 0, 0);
+        *reinterpret_cast<uint4*>(dst) = x_pairs<true>(v);
+      } else {
+        cp_async16(dst, valid ? static_cast<const void*>(x + gm * p.K + k) : x, valid);
+      }
     }
-    asm volatile("cp.async.commit_group;\n" ::);
+    if constexpr (!BITS) asm volatile("cp.async.commit_group;\n" ::);
     if (step + 1 < step_end) {
 #pragma unroll
       for (int rt = 0; rt < kRowTiles; ++rt)
 #pragma unroll
         for (int h = 0; h < 2; ++h)
-          load_chunk<FMT>(next[rt][h], codes, scales, zeros, rows[rt][h],
-                          (step + 1) * kStepK + 32 * t, p);
+          load_chunk<FMT, BITS>(next[rt][h], rows, 2 * rt + h, (step + 1) * kStepK + 32 * t,
+                          (step + 1) * kStepK + 32 * t < p.K, p);
     }
-    asm volatile("cp.async.wait_all;\n" ::);
+    if constexpr (!BITS) asm volatile("cp.async.wait_all;\n" ::);
     __syncthreads();
 
-    const bool kvalid = k0 + 32 * t < p.K;
-    float s[kRowTiles][2][2], z[kRowTiles][2][2];
+    Dec d[kRowTiles][2][2];  // [tile][row half][16-element half of the chunk]
 #pragma unroll
     for (int rt = 0; rt < kRowTiles; ++rt)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        s[rt][h][0] = scale_value<FMT>(cur[rt][h].s0, tsv[rt][h], p);
-        s[rt][h][1] = scale_value<FMT>(cur[rt][h].s1, tsv[rt][h], p);
-        z[rt][h][0] = static_cast<float>(cur[rt][h].z0);
-        z[rt][h][1] = static_cast<float>(cur[rt][h].z1);
-      }
+      for (int h = 0; h < 2; ++h) make_decs<FMT, BF16, BITS>(cur[rt][h], tsv[rt][h], p, d[rt][h]);
 
 #pragma unroll
-    for (int s2 = 0; s2 < 4; ++s2) {  // physical elements [8 s2, 8 s2 + 8) = MMA steps 2s2, 2s2+1
-      uint32_t a[kRowTiles][2][4];
+    for (int s2 = 0; s2 < 4; ++s2) {  // physical elements [8 s2, 8 s2 + 8) of the chunk
+      uint4 xb[MT];
 #pragma unroll
-      for (int rt = 0; rt < kRowTiles; ++rt)
+      for (int j = 0; j < MT; ++j)
+        xb[j] = *reinterpret_cast<const uint4*>(xs + (8 * j + g) * kXStride + s2 * 64 + t * 16);
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const uint32_t w = s2 == 0 ? cur[rt][h].q.x
-                             : s2 == 1 ? cur[rt][h].q.y
-                             : s2 == 2 ? cur[rt][h].q.z
-                                       : cur[rt][h].q.w;
-          const float sc = s[rt][h][s2 >> 1], zz = z[rt][h][s2 >> 1];
-          // byte b holds physical elements 8 s2 + 2b, +1
-          a[rt][0][h] = decode_pair<FMT, BF16>(table, w & 0xffu, sc, zz);
-          a[rt][0][2 + h] = decode_pair<FMT, BF16>(table, (w >> 8) & 0xffu, sc, zz);
-          a[rt][1][h] = decode_pair<FMT, BF16>(table, (w >> 16) & 0xffu, sc, zz);
-          a[rt][1][2 + h] = decode_pair<FMT, BF16>(table, w >> 24, sc, zz);
-          if (!kvalid) a[rt][0][h] = a[rt][0][2 + h] = a[rt][1][h] = a[rt][1][2 + h] = 0u;
-        }
-#pragma unroll
-      for (int j = 0; j < MT; ++j) {
-        const uint4 b = *reinterpret_cast<const uint4*>(xs + (8 * j + g) * kXStride + s2 * 64 + t * 16);
-#pragma unroll
-        for (int rt = 0; rt < kRowTiles; ++rt) {
-          mma16816<BF16>(acc[rt][j], a[rt][0], b.x, b.y);
-          mma16816<BF16>(acc[rt][j], a[rt][1], b.z, b.w);
-        }
+      for (int rt = 0; rt < kRowTiles; ++rt) {
+        const uint32_t w[2] = {word_of(cur[rt][0].q, s2), word_of(cur[rt][1].q, s2)};
+        const Dec dd[2] = {d[rt][0][s2 >> 1], d[rt][1][s2 >> 1]};
+        tile_step<FMT, BF16, BITS, MT, kStagedCopies>(acc[rt], w, dd, xb, table, copy);
       }
     }
   }
 
-  // D fragment: lane (g, t) holds rows (weight n) g / g + 8, columns (activation m) 2t, 2t+1
   float* o = out + static_cast<int64_t>(blockIdx.z) * p.M * p.N;
+#pragma unroll
+  for (int rt = 0; rt < kRowTiles; ++rt)
+    store_tile<MT>(o, acc[rt], kAccScale<FMT, BF16, BITS>, n_warp + rt * 16, m0, g, t, p);
+}
+
+// Decode kernel (M <= 16): each warp owns kRowTiles 16-row weight tiles (lane (g, t):
+// rows g, g + 8 of each) and runs over K in super-steps of kDirectStepK; in a step lane t
+// owns the kDirectL contiguous 32-k chunks [kDirectL * 32 t, +kDirectL * 32) of each of
+// its rows, so each row is read in runs of kDirectStepK / 2 bytes. The chunk registers
+// roll: as soon as chunk j of a step is decoded, its register slot loads chunk j of the
+// next step, so up to kDirectL - 1 chunks per row stay in flight while the warp decodes. The
+// activations come straight from global memory (L1-resident), no shared memory for x and
+// no barriers; the kRowTiles tiles share each activation fragment.
+constexpr int kDirectL = 2;
+constexpr int kDirectRowsPerCta = kRowsPerCta;        // 128
+constexpr int kDirectStepK = 4 * 32 * kDirectL;       // 256
+
+template <int FMT, bool BF16, bool BITS, int MT, int L = kDirectL>
+__global__ void __launch_bounds__(kWarps * 32, 3) wmatmul_direct_kernel(
+    const uint16_t* __restrict__ x, const uint8_t* __restrict__ codes,
+    const void* __restrict__ scales, const uint8_t* __restrict__ zeros,
+    const float* __restrict__ ts, float* __restrict__ out, const WParams p) {
+  __shared__ __align__(16) float2 table[BITS ? 1 : 256 * kCopies];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const uint32_t copy = lane & (kCopies - 1);
+  if constexpr (!BITS) {
+    fill_table<FMT, kCopies>(table, tid, kWarps * 32);
+    __syncthreads();
+  }
+
+  const int64_t n_warp = static_cast<int64_t>(blockIdx.x) * kDirectRowsPerCta +
+                         warp * kRowTiles * 16;
+  const Rows rows = make_rows<FMT>(codes, scales, zeros, n_warp + g, p);
+  float tsv[kRowTiles][2];
 #pragma unroll
   for (int rt = 0; rt < kRowTiles; ++rt)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int64_t n = n_warp + rt * 16 + h * 8 + g;
-      if (n >= p.N) continue;
-#pragma unroll
-      for (int j = 0; j < MT; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int64_t m = m0 + 8 * j + 2 * t + e;
-          if (m < p.M) o[m * p.N + n] = acc[rt][j][2 * h + e];
-        }
+      tsv[rt][h] = p.two_level ? __ldg(ts + (n < p.N ? n : p.N - 1)) : 1.0f;
     }
-}
-
-// M <= 16 ("decode"): one 16-row weight tile per warp and super-steps of kDirectL x 128 k,
-// so that each weight row is read in runs of kDirectL x 64 contiguous bytes issued
-// back to back (HBM pages stay open; 64-byte runs per row measured at ~17% of the copy
-// roof). Chunk j of lane (g, t) is physical k [128 j + 32 t, +32) of rows g and g + 8;
-// all 2 x kDirectL code loads of a step are in flight before the first decode. The
-// activation fragments come straight from global memory (L1-resident), no barriers.
-constexpr int kDirectL = 8;
-constexpr int kDirectWarps = 4;
-constexpr int kDirectRowsPerCta = kDirectWarps * 16;  // 64
-constexpr int kDirectStepK = 128 * kDirectL;        // 1024
-
-template <int FMT, bool BF16, int MT>
-__global__ void __launch_bounds__(kDirectWarps * 32, 3) wmatmul_direct_kernel(
-    const uint16_t* __restrict__ x, const uint8_t* __restrict__ codes,
-    const void* __restrict__ scales, const uint8_t* __restrict__ zeros,
-    const float* __restrict__ ts, float* __restrict__ out, const WParams p) {
-  __shared__ float2 table[256];
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int g = lane >> 2, t = lane & 3;
-  for (int i = tid; i < 256; i += kDirectWarps * 32)
-    table[i] = make_float2(code_value<FMT>(i & 15), code_value<FMT>(i >> 4));
-  __syncthreads();
-
-  const int64_t n_tile = static_cast<int64_t>(blockIdx.x) * kDirectRowsPerCta + warp * 16;
-  int64_t rows[2];
-  float tsv[2];
+  // activation rows of the lane's B fragments (clamped: columns past M are not stored)
+  const uint16_t* xrow[MT];
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int64_t n = n_tile + h * 8 + g;
-    rows[h] = n < p.N ? n : p.N - 1;
-    tsv[h] = p.two_level ? __ldg(ts + rows[h]) : 1.0f;
+  for (int mt = 0; mt < MT; ++mt) {
+    const int64_t m = 8 * mt + g;
+    xrow[mt] = x + (m < p.M ? m : p.M - 1) * p.K;
   }
-  const int64_t step_begin = static_cast<int64_t>(blockIdx.z) * p.steps_per_split;
-  int64_t step_end = step_begin + p.steps_per_split;
-  if (step_end > p.n_steps) step_end = p.n_steps;
+  const int step_begin = static_cast<int>(blockIdx.z * p.steps_per_split);
+  const int step_end = static_cast<int>(min(step_begin + p.steps_per_split, p.n_steps));
 
-  float acc[MT][4];
+  float acc[kRowTiles][MT][4];
 #pragma unroll
-  for (int j = 0; j < MT; ++j)
+  for (int rt = 0; rt < kRowTiles; ++rt)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[rt][mt][e] = 0.0f;
 
-  for (int64_t step = step_begin; step < step_end; ++step) {
-    const int64_t k0 = step * kDirectStepK + 32 * t;
-    Chunk c[2][kDirectL];
+  const int lane_k = 32 * L * t;  // the lane's first k in a step
+  Chunk c[kRowTiles][2][L];
+  if (step_begin < step_end) {
 #pragma unroll
-    for (int j = 0; j < kDirectL; ++j)
+    for (int j = 0; j < L; ++j)
 #pragma unroll
-      for (int h = 0; h < 2; ++h)
-        load_chunk<FMT>(c[h][j], codes, scales, zeros, rows[h], k0 + 128 * j, p);
+      for (int rt = 0; rt < kRowTiles; ++rt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          load_chunk<FMT, BITS>(c[rt][h][j], rows, 2 * rt + h, step_begin * (128 * L) + lane_k + 32 * j,
+                          step_begin * (128 * L) + lane_k + 32 * j < p.K32, p);
+  }
 
+  for (int step = step_begin; step < step_end; ++step) {
 #pragma unroll
-    for (int j = 0; j < kDirectL; ++j) {
-      if (step * kDirectStepK + 128 * j >= p.K) break;  // warp-uniform: the MMAs need all lanes
-      const int64_t kj = k0 + 128 * j;
-      const bool kvalid = kj < p.K;  // lanes past K feed zeros (A and B)
-      uint4 xd[MT][4];
+    for (int j = 0; j < L; ++j) {
+      const int kj = step * (128 * L) + lane_k + 32 * j;
+      const bool kvalid = kj < p.K32;  // lanes past K feed zero activations
+      uint4 xb[4][MT];
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
+      for (int s2 = 0; s2 < 4; ++s2)
 #pragma unroll
-        for (int s2 = 0; s2 < 4; ++s2) {
-          const int64_t m = 8 * mt + g;
-          xd[mt][s2] = m < p.M && kvalid
-                           ? __ldg(reinterpret_cast<const uint4*>(x + m * p.K + kj + 8 * s2))
-                           : make_uint4(0, 0, 0, 0);
+        for (int mt = 0; mt < MT; ++mt)
+          xb[s2][mt] = x_pairs<BITS>(kvalid ? __ldg(reinterpret_cast<const uint4*>(xrow[mt] + kj + 8 * s2))
+                                            : make_uint4(0, 0, 0, 0));
+      Dec d[kRowTiles][2][2];
+#pragma unroll
+      for (int rt = 0; rt < kRowTiles; ++rt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) make_decs<FMT, BF16, BITS>(c[rt][h][j], tsv[rt][h], p, d[rt][h]);
+#pragma unroll
+      for (int s2 = 0; s2 < 4; ++s2)
+#pragma unroll
+        for (int rt = 0; rt < kRowTiles; ++rt) {
+          const uint32_t w[2] = {word_of(c[rt][0][j].q, s2), word_of(c[rt][1][j].q, s2)};
+          const Dec dd[2] = {d[rt][0][s2 >> 1], d[rt][1][s2 >> 1]};
+          tile_step<FMT, BF16, BITS, MT, kCopies>(acc[rt], w, dd, xb[s2], table, copy);
         }
-      float sc[2][2], zz[2][2];
+      if (step + 1 < step_end) {  // the slot, now decoded, loads the next step's chunk j
+        const bool next_valid = kj + (128 * L) < p.K32;
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        sc[h][0] = scale_value<FMT>(c[h][j].s0, tsv[h], p);
-        sc[h][1] = scale_value<FMT>(c[h][j].s1, tsv[h], p);
-        zz[h][0] = static_cast<float>(c[h][j].z0);
-        zz[h][1] = static_cast<float>(c[h][j].z1);
-      }
+        for (int rt = 0; rt < kRowTiles; ++rt)
 #pragma unroll
-      for (int s2 = 0; s2 < 4; ++s2) {
-        uint32_t a[2][4];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const uint32_t w = s2 == 0 ? c[h][j].q.x : s2 == 1 ? c[h][j].q.y
-                             : s2 == 2 ? c[h][j].q.z : c[h][j].q.w;
-          const float scv = sc[h][s2 >> 1], zv = zz[h][s2 >> 1];
-          a[0][h] = decode_pair<FMT, BF16>(table, w & 0xffu, scv, zv);
-          a[0][2 + h] = decode_pair<FMT, BF16>(table, (w >> 8) & 0xffu, scv, zv);
-          a[1][h] = decode_pair<FMT, BF16>(table, (w >> 16) & 0xffu, scv, zv);
-          a[1][2 + h] = decode_pair<FMT, BF16>(table, w >> 24, scv, zv);
-          if (!kvalid) a[0][h] = a[0][2 + h] = a[1][h] = a[1][2 + h] = 0u;
-        }
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          mma16816<BF16>(acc[mt], a[0], xd[mt][s2].x, xd[mt][s2].y);
-          mma16816<BF16>(acc[mt], a[1], xd[mt][s2].z, xd[mt][s2].w);
-        }
+          for (int h = 0; h < 2; ++h)
+            load_chunk<FMT, BITS>(c[rt][h][j], rows, 2 * rt + h, kj + (128 * L), next_valid, p);
       }
     }
   }
 
   float* o = out + static_cast<int64_t>(blockIdx.z) * p.M * p.N;
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int64_t n = n_tile + h * 8 + g;
-    if (n >= p.N) continue;
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int64_t m = 8 * mt + 2 * t + e;
-        if (m < p.M) o[m * p.N + n] = acc[mt][2 * h + e];
-      }
-  }
+  for (int rt = 0; rt < kRowTiles; ++rt)
+    store_tile<MT>(o, acc[rt], kAccScale<FMT, BF16, BITS>, n_warp + rt * 16, 0, g, t, p);
 }
 
 // M <= 16: the direct kernel; larger M: the staged kernel, 64 rows of x per grid.y.
 bool direct_path(int64_t M) { return M <= 16; }
 int64_t step_k(int64_t M) { return direct_path(M) ? kDirectStepK : kStepK; }
+
+// Whether the bit path is exact for this call (see the decode comment above).
+template <int FMT, bool BF16>
+bool use_bit_path(const WParams& p) {
+  if constexpr (!kHasBitPath<FMT, BF16>) return false;
+  if (FMT == kNVFP4) return !p.two_level;
+  if (FMT == kINT4) return p.st == (BF16 ? kScaleBF16 : kScaleF16);
+  return true;
+}
+
+template <int FMT, bool BF16, bool BITS>
+void launch_kernel(cudaStream_t stream, const uint16_t* xp, const uint8_t* cp, const void* sp,
+                   const uint8_t* zp, const float* tp, float* out, const WParams& p, int splits) {
+  if (direct_path(p.M)) {
+    const dim3 grid(static_cast<unsigned>((p.N + kDirectRowsPerCta - 1) / kDirectRowsPerCta), 1,
+                    static_cast<unsigned>(splits));
+    if (p.M <= 8)
+      wmatmul_direct_kernel<FMT, BF16, BITS, 1><<<grid, kWarps * 32, 0, stream>>>(xp, cp, sp, zp, tp, out, p);
+    else
+      wmatmul_direct_kernel<FMT, BF16, BITS, 2><<<grid, kWarps * 32, 0, stream>>>(xp, cp, sp, zp, tp, out, p);
+  } else {
+    const int mt = p.M <= 32 ? 4 : 8;
+    const dim3 grid(static_cast<unsigned>((p.N + kRowsPerCta - 1) / kRowsPerCta),
+                    static_cast<unsigned>((p.M + 8 * mt - 1) / (8 * mt)),
+                    static_cast<unsigned>(splits));
+    if (mt == 4)
+      wmatmul_kernel<FMT, BF16, BITS, 4><<<grid, kWarps * 32, 0, stream>>>(xp, cp, sp, zp, tp, out, p);
+    else
+      wmatmul_kernel<FMT, BF16, BITS, 8><<<grid, kWarps * 32, 0, stream>>>(xp, cp, sp, zp, tp, out, p);
+  }
+}
 
 template <int FMT, bool BF16>
 ffi::Error launch_fmt(cudaStream_t stream, const ffi::AnyBuffer& x, const ffi::AnyBuffer& codes,
@@ -436,22 +734,13 @@ ffi::Error launch_fmt(cudaStream_t stream, const ffi::AnyBuffer& x, const ffi::A
   const auto* zp = static_cast<const uint8_t*>(zeros.untyped_data());
   const auto* tp = static_cast<const float*>(ts.untyped_data());
   const void* sp = scales.untyped_data();
-  if (direct_path(p.M)) {
-    const dim3 grid(static_cast<unsigned>((p.N + kDirectRowsPerCta - 1) / kDirectRowsPerCta), 1,
-                    static_cast<unsigned>(splits));
-    if (p.M <= 8)
-      wmatmul_direct_kernel<FMT, BF16, 1><<<grid, kDirectWarps * 32, 0, stream>>>(xp, cp, sp, zp, tp, out, p);
+  if constexpr (kHasBitPath<FMT, BF16>) {
+    if (use_bit_path<FMT, BF16>(p))
+      launch_kernel<FMT, BF16, true>(stream, xp, cp, sp, zp, tp, out, p, splits);
     else
-      wmatmul_direct_kernel<FMT, BF16, 2><<<grid, kDirectWarps * 32, 0, stream>>>(xp, cp, sp, zp, tp, out, p);
+      launch_kernel<FMT, BF16, false>(stream, xp, cp, sp, zp, tp, out, p, splits);
   } else {
-    const int mt = p.M <= 32 ? 4 : 8;
-    const dim3 grid(static_cast<unsigned>((p.N + kRowsPerCta - 1) / kRowsPerCta),
-                    static_cast<unsigned>((p.M + 8 * mt - 1) / (8 * mt)),
-                    static_cast<unsigned>(splits));
-    if (mt == 4)
-      wmatmul_kernel<FMT, BF16, 4><<<grid, kWarps * 32, 0, stream>>>(xp, cp, sp, zp, tp, out, p);
-    else
-      wmatmul_kernel<FMT, BF16, 8><<<grid, kWarps * 32, 0, stream>>>(xp, cp, sp, zp, tp, out, p);
+    launch_kernel<FMT, BF16, false>(stream, xp, cp, sp, zp, tp, out, p, splits);
   }
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess)
@@ -492,9 +781,10 @@ ffi::Error WMatmulImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer cod
                                        codes.dimensions()[0], K, &p));
   JF4_RETURN_IF_ERROR(validate_quantized(where, &p, codes, scales, zeros));
   JF4_RETURN_IF_ERROR(validate_ts(where, p, ts));
-  if (K % 32 != 0 || block_size < 16 || (block_size & (block_size - 1)) != 0)
-    return invalid(where, "the fused kernel needs K % 32 == 0 and a power-of-two block_size >= "
-                          "16, got K = " + std::to_string(K) + ", block_size = " +
+  if (K % 32 != 0 || K >= (int64_t{1} << 31) || block_size < 16 ||
+      (block_size & (block_size - 1)) != 0)
+    return invalid(where, "the fused kernel needs K % 32 == 0, K < 2^31 and a power-of-two "
+                          "block_size >= 16, got K = " + std::to_string(K) + ", block_size = " +
                               std::to_string(block_size));
   const int64_t n_steps = (K + step_k(M) - 1) / step_k(M);
   if (splits < 1 || splits > 65535 || (n_steps > 0 && splits > n_steps))
@@ -514,6 +804,7 @@ ffi::Error WMatmulImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer cod
   w.M = M;
   w.N = p.R;
   w.K = K;
+  w.K32 = static_cast<int>(K);
   w.nb = p.nb;
   w.bs = static_cast<int>(block_size);
   w.bs_shift = 0;
