@@ -428,7 +428,7 @@ _FUSED_TARGET = "jax_fp4_wmatmul_v1"
 # (rows per CTA, k per super-step, resident CTAs per SM, fewest super-steps per split) of
 # the direct kernel (M <= 16) and the staged kernel (csrc/cuda/wmatmul.cu)
 _FUSED_DIRECT_MAX_M = 16
-_FUSED_GEOMETRY = {True: (128, 256, 3, 1), False: (128, 128, 4, 2)}
+_FUSED_GEOMETRY = {True: (128, 256, 4, 1), False: (128, 128, 4, 2)}
 
 
 def _sm_count():

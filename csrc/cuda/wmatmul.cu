@@ -94,17 +94,45 @@ __device__ float code_value(uint32_t c) {
   else return e2m1_decode(c);
 }
 
-template <int FMT>
-__device__ uint32_t load_scale_bits(const void* scales, int64_t i, int st) {
-  if constexpr (FMT == kNF4 || FMT == kBNB_FP4) {
-    return f2u(__ldg(static_cast<const float*>(scales) + i));
-  } else if constexpr (FMT == kINT4) {
-    if (st == kScaleF32) return f2u(__ldg(static_cast<const float*>(scales) + i));
-    return __ldg(static_cast<const unsigned short*>(scales) + i);
-  } else {
-    return __ldg(static_cast<const uint8_t*>(scales) + i);
-  }
+// Weight loads: codes, scales and zero points are read once, so they do not allocate in
+// L1 (ld.global.nc.L1::no_allocate), which keeps L1 for the activations that every warp of
+// the SM re-reads. `valid` false gives 0 without touching memory.
+template <bool CHECK>  // CHECK = false: the caller knows the load is in bounds
+__device__ __forceinline__ uint4 ld_weight16(const void* ptr, bool valid) {
+  uint4 v;
+  if constexpr (CHECK)
+    asm("{\n .reg .pred p;\n setp.ne.b32 p, %5, 0;\n"
+        " mov.b32 %0, 0; mov.b32 %1, 0; mov.b32 %2, 0; mov.b32 %3, 0;\n"
+        " @p ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n}\n"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(ptr), "r"(static_cast<int>(valid)));
+  else
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(ptr));
+  return v;
 }
+
+#define JF4_LD_WEIGHT(TYPE)                                                               \
+  if constexpr (CHECK)                                                                    \
+    asm("{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n mov.b32 %0, 0;\n"                   \
+        " @p ld.global.nc.L1::no_allocate." TYPE " %0, [%1];\n}\n"                         \
+        : "=r"(v) : "l"(ptr), "r"(static_cast<int>(valid)));                             \
+  else                                                                                    \
+    asm("ld.global.nc.L1::no_allocate." TYPE " %0, [%1];\n" : "=r"(v) : "l"(ptr));
+
+template <int BYTES, bool CHECK>  // 1, 2 or 4 bytes, zero-extended
+__device__ __forceinline__ uint32_t ld_weight(const void* ptr, bool valid) {
+  uint32_t v;
+  if constexpr (BYTES == 4) {
+    JF4_LD_WEIGHT("b32")
+  } else if constexpr (BYTES == 2) {
+    JF4_LD_WEIGHT("u16")
+  } else {
+    JF4_LD_WEIGHT("u8")
+  }
+  return v;
+}
+#undef JF4_LD_WEIGHT
 
 // The block scale in float32, as the reference decodes it (DESIGN.md section 3).
 template <int FMT>
@@ -140,32 +168,34 @@ __device__ __forceinline__ Rows make_rows(const uint8_t* codes, const void* scal
 
 // Chunks past K (valid = false) load as zeros (codes 0 and scale bits 0 decode to a
 // finite value), and the activations there are zero, so they add nothing.
-template <int FMT, bool BITS>
+// CHECK = false: the caller knows the chunk is inside K and the row inside N.
+template <int FMT, bool BITS, bool CHECK = true>
 __device__ __forceinline__ void load_chunk(Chunk& c, const Rows& rs, int i, int k, bool kvalid,
                                            const WParams& p) {
-  const bool valid = kvalid && rs.n0 + 8 * i < p.N;
+  const bool valid = !CHECK || (kvalid && rs.n0 + 8 * i < p.N);
   const uint8_t* codes = rs.codes + i * rs.code_stride;
   const uint8_t* scales = rs.scales + i * rs.scale_stride;
-  c.q = valid ? __ldg(reinterpret_cast<const uint4*>(codes + (k >> 1))) : make_uint4(0, 0, 0, 0);
+  c.q = ld_weight16<CHECK>(codes + (k >> 1), valid);
   const int b = k >> p.bs_shift;  // the chunk's first block within the row
   c.s1 = c.z = 0;
   if constexpr (FMT == kNVFP4) {  // blocks of 16: both E4M3 scales in one 2-byte load
-    c.s = valid ? __ldg(reinterpret_cast<const unsigned short*>(scales + b)) : 0u;
+    c.s = ld_weight<2, CHECK>(scales + b, valid);
   } else if constexpr (FMT == kMXFP4) {  // blocks of 32: one E8M0 scale
-    c.s = valid ? __ldg(scales + b) * 0x101u : 0u;
+    c.s = ld_weight<1, CHECK>(scales + b, valid) * 0x101u;
   } else if constexpr (FMT == kINT4) {
     const uint8_t* zeros = rs.zeros + i * rs.zero_stride;
-    const bool two = p.bs == 16, f32 = !BITS && p.st == kScaleF32;  // bit path: 16-bit scales
-    const auto ld = [&](int j) -> uint32_t {
-      return f32 ? f2u(__ldg(reinterpret_cast<const float*>(scales) + j))
-                 : __ldg(reinterpret_cast<const unsigned short*>(scales) + j);
-    };
-    c.s = valid ? ld(b) : 0u;
-    c.s1 = valid && two ? ld(b + 1) : c.s;
-    const uint32_t z0 = valid ? __ldg(zeros + b) : 0u;
-    c.z = z0 | ((valid && two ? static_cast<uint32_t>(__ldg(zeros + b + 1)) : z0) << 8);
+    const bool two = valid && p.bs == 16;
+    if (BITS || p.st != kScaleF32) {  // the bit path has 16-bit scales
+      c.s = ld_weight<2, CHECK>(scales + 2 * b, valid);
+      c.s1 = two ? ld_weight<2, CHECK>(scales + 2 * b + 2, true) : c.s;
+    } else {
+      c.s = ld_weight<4, CHECK>(scales + 4 * b, valid);
+      c.s1 = two ? ld_weight<4, CHECK>(scales + 4 * b + 4, true) : c.s;
+    }
+    const uint32_t z0 = ld_weight<1, CHECK>(zeros + b, valid);
+    c.z = z0 | ((two ? ld_weight<1, CHECK>(zeros + b + 1, true) : z0) << 8);
   } else {
-    c.s = valid ? f2u(__ldg(reinterpret_cast<const float*>(scales) + b)) : 0u;
+    c.s = ld_weight<4, CHECK>(scales + 4 * b, valid);
   }
 }
 
@@ -593,7 +623,7 @@ constexpr int kDirectRowsPerCta = kRowsPerCta;        // 128
 constexpr int kDirectStepK = 4 * 32 * kDirectL;       // 256
 
 template <int FMT, bool BF16, bool BITS, int MT, int L = kDirectL>
-__global__ void __launch_bounds__(kWarps * 32, 3) wmatmul_direct_kernel(
+__global__ void __launch_bounds__(kWarps * 32, 4) wmatmul_direct_kernel(
     const uint16_t* __restrict__ x, const uint8_t* __restrict__ codes,
     const void* __restrict__ scales, const uint8_t* __restrict__ zeros,
     const float* __restrict__ ts, float* __restrict__ out, const WParams p) {
@@ -636,6 +666,7 @@ __global__ void __launch_bounds__(kWarps * 32, 3) wmatmul_direct_kernel(
       for (int e = 0; e < 4; ++e) acc[rt][mt][e] = 0.0f;
 
   const int lane_k = 32 * L * t;  // the lane's first k in a step
+  const bool rows_inside = n_warp + kRowTiles * 16 <= p.N;
   Chunk c[kRowTiles][2][L];
   if (step_begin < step_end) {
 #pragma unroll
@@ -674,12 +705,20 @@ __global__ void __launch_bounds__(kWarps * 32, 3) wmatmul_direct_kernel(
           tile_step<FMT, BF16, BITS, MT, kCopies>(acc[rt], w, dd, xb[s2], table, copy);
         }
       if (step + 1 < step_end) {  // the slot, now decoded, loads the next step's chunk j
-        const bool next_valid = kj + (128 * L) < p.K32;
+        const int kn = kj + 128 * L;
+        if (rows_inside && (step + 2) * (128 * L) <= p.K32) {  // warp-uniform: no checks
 #pragma unroll
-        for (int rt = 0; rt < kRowTiles; ++rt)
+          for (int rt = 0; rt < kRowTiles; ++rt)
 #pragma unroll
-          for (int h = 0; h < 2; ++h)
-            load_chunk<FMT, BITS>(c[rt][h][j], rows, 2 * rt + h, kj + (128 * L), next_valid, p);
+            for (int h = 0; h < 2; ++h)
+              load_chunk<FMT, BITS, false>(c[rt][h][j], rows, 2 * rt + h, kn, true, p);
+        } else {
+#pragma unroll
+          for (int rt = 0; rt < kRowTiles; ++rt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+              load_chunk<FMT, BITS>(c[rt][h][j], rows, 2 * rt + h, kn, kn < p.K32, p);
+        }
       }
     }
   }
