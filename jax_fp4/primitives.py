@@ -419,9 +419,10 @@ def _wmatmul_transpose(ct, x, codes, scales, zeros, ts, **params):
 
 # Fused W4A16 CUDA kernel (csrc/cuda/wmatmul.cu). Size rule: M (rows of x) up to
 # FUSED_MAX_M runs the fused kernel; larger M runs the CUDA dequantize kernel + XLA's
-# (cuBLAS) bf16 dot. Measured on an H100 (benchmarks/RESULTS.md, 2026-11-22), K x N =
-# 28672 x 8192: at M = 64 the fused kernel takes 0.40 ms against ~0.55 ms for dequantize
-# (0.32) + dot (0.23); at M = 256 it takes 1.21 ms against 0.59 ms.
+# (cuBLAS) bf16 dot. Measured on an H100 (benchmarks/RESULTS.md, 2026-11-23, device
+# time), nvfp4: at M = 64 the fused kernel takes 0.15-0.18 ms on 8192 x 28672 / 28672 x
+# 8192 (bf16 dot alone: 0.15-0.16); at M = 256 it takes 0.53-0.57 ms against 0.41-0.44 ms
+# for dequantize + dot, and loses on every Llama shape there.
 FUSED_FORMATS = ("nvfp4", "mxfp4", "nf4", "bnb_fp4", "int4")
 FUSED_MAX_M = 64
 _FUSED_TARGET = "jax_fp4_wmatmul_v1"

@@ -4,25 +4,22 @@
 //
 // x (M, K) bf16/f16; w (N, K) a 4-bit QArray blocked along K (nvfp4 with or without the
 // per-tensor scale, mxfp4, nf4, bnb_fp4, int4); partial (S, M, N) float32, summed over
-// the S K-splits by the caller (jax_fp4/primitives.py). Each weight element is decoded
-// exactly as the reference does it (float32 value, rounded to x's dtype to nearest even)
+// the S K-splits by the caller (jax_fp4/primitives.py). Each weight element is decoded to
+// the value the reference gives it (float32 value, rounded to x's dtype to nearest even)
 // inside the main loop -- no dequantized weight reaches HBM -- and multiplied on the
-// tensor cores (mma.sync m16n8k16, float32 accumulation).
+// tensor cores (mma.sync m16n8k16, float32 accumulation). How it is decoded (bit path /
+// table path) is described above decode_word.
 //
 // Tiling. The weight plays the MMA's A operand (16 rows x 16 k, row-major = (N, K)
 // storage) and the activations its B operand (16 k x 8 m), so decode (M = 1..64) uses the
-// tensor cores at any M. A CTA is 4 warps; each warp owns 2 tiles of 16 weight rows and
-// all M of its CTA (up to 64: grid.y covers larger M). The K loop runs in super-steps of
-// 128 k in which lane (g, t) = (lane / 4, lane % 4) owns the 32 contiguous k
-// [32t, 32t + 32) of weight rows g and g + 8: one 16-byte load per row, whole 32-byte
-// sectors per 4 lanes. The MMA sums over k, so any k order works if A and B agree: in
-// MMA step s (0..7) lane (g, t) feeds logical k {2t, 2t+1, 2t+8, 2t+9} from physical k
-// 32t + 4s + {0, 1, 2, 3}. Activations are staged per super-step in shared memory in
-// that order (one conflict-free 16-byte read per lane per 2 MMA steps), zero-filled past
-// M and K. The next super-step's weight codes and scales are loaded before the current
-// one is decoded (register double buffer). That is the staged kernel (M > 16); decode
-// sizes (M <= 16) run the direct kernel below: see its comment. grid.z splits K so that small-N shapes still
-// fill the GPU; the S partial sums leave as float32.
+// tensor cores at any M. A CTA is 4 warps; each warp owns 2 tiles of 16 weight rows
+// (lane (g, t) = (lane / 4, lane % 4): rows g and g + 8 of each) and all M of its CTA.
+// The MMA sums over k, so any k order works if A and B agree: a lane loads 32 contiguous
+// k of a row as one 16-byte chunk and feeds them as its fragment's k slots; the
+// activations are fed in the same order. Two kernels: the staged kernel (M > 16; x staged
+// per 128-k super-step in shared memory) and the direct kernel (M <= 16; x read from
+// global memory): see their comments. grid.z splits K so that small-N shapes still fill
+// the GPU; the S partial sums leave as float32.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
