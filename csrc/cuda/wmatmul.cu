@@ -26,6 +26,7 @@
 
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "../codecs.h"
 #include "../cpu/validate.h"
@@ -207,30 +208,20 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   }
 }
 
+// Packed bf16x2 / f16x2 arithmetic on raw 32-bit registers.
+template <bool BF16, class Op>
+__device__ __forceinline__ uint32_t packed2(uint32_t a, uint32_t b, Op op) {
+  using T = std::conditional_t<BF16, __nv_bfloat162, __half2>;
+  const T r = op(*reinterpret_cast<const T*>(&a), *reinterpret_cast<const T*>(&b));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
 template <bool BF16>
 __device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
-  if constexpr (BF16) {
-    const __nv_bfloat162 r = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&a),
-                                     *reinterpret_cast<const __nv_bfloat162*>(&b));
-    return *reinterpret_cast<const uint32_t*>(&r);
-  } else {
-    const __half2 r = __hmul2(*reinterpret_cast<const __half2*>(&a),
-                              *reinterpret_cast<const __half2*>(&b));
-    return *reinterpret_cast<const uint32_t*>(&r);
-  }
+  return packed2<BF16>(a, b, [](auto x, auto y) { return __hmul2(x, y); });
 }
-
 template <bool BF16>
 __device__ __forceinline__ uint32_t hsub2(uint32_t a, uint32_t b) {
-  if constexpr (BF16) {
-    const __nv_bfloat162 r = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&a),
-                                     *reinterpret_cast<const __nv_bfloat162*>(&b));
-    return *reinterpret_cast<const uint32_t*>(&r);
-  } else {
-    const __half2 r = __hsub2(*reinterpret_cast<const __half2*>(&a),
-                              *reinterpret_cast<const __half2*>(&b));
-    return *reinterpret_cast<const uint32_t*>(&r);
-  }
+  return packed2<BF16>(a, b, [](auto x, auto y) { return __hsub2(x, y); });
 }
 
 // ---- Decoding one code word (8 elements of one weight row) into 4 MMA A registers ----
