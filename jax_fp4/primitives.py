@@ -447,8 +447,8 @@ def wmatmul_splits(m, n, k, sms=None):
     The smallest S whose CTAs fill their waves to >= 90% of the resident slots, with no
     empty split, at least 1 (direct kernel) or 2 (staged) super-steps per split and the
     float32 partial sums (S x M x N) under a quarter of the 4-bit weight's bytes; if none,
-    the S of best wave efficiency. (Measured on an H100, nvfp4 M = 1, 28672 x 8192:
-    S = 6, 0.97 of one wave, 58.6 us; S = 11, 1.78 waves, 64.9 us.)"""
+    the S of best wave efficiency. (Measured on an H100 with 3 CTAs per SM, nvfp4 M = 1,
+    28672 x 8192: S = 6, 0.97 of a wave, 58.6 us; S = 11, 1.78 waves, 64.9 us.)"""
     direct = m <= _FUSED_DIRECT_MAX_M
     rows, step, per_sm, min_steps = _FUSED_GEOMETRY[direct]
     slots = per_sm * (sms or _sm_count())
