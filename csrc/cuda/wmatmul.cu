@@ -460,6 +460,18 @@ __device__ __forceinline__ uint32_t word_of(const uint4& q, int s2) {
   return s2 == 0 ? q.x : s2 == 1 ? q.y : s2 == 2 ? q.z : q.w;
 }
 
+// The per-tensor scale of each of a lane's rows n0 + 16 rt + 8 h (1 without one).
+__device__ __forceinline__ void load_tensor_scales(const float* __restrict__ ts, int64_t n0,
+                                                   const WParams& p, float (*tsv)[2]) {
+#pragma unroll
+  for (int rt = 0; rt < kRowTiles; ++rt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t n = n0 + rt * 16 + h * 8;
+      tsv[rt][h] = p.two_level ? __ldg(ts + (n < p.N ? n : p.N - 1)) : 1.0f;
+    }
+}
+
 // D fragment: lane (g, t) holds rows (weight n) g / g + 8, columns (activation m) 2t, 2t+1.
 template <int MT>
 __device__ __forceinline__ void store_tile(float* o, const float (*acc)[4], float scale,
@@ -505,16 +517,10 @@ __global__ void __launch_bounds__(kWarps * 32) wmatmul_kernel(
 
   const int64_t m0 = static_cast<int64_t>(blockIdx.y) * MC;
   const int64_t n_warp = static_cast<int64_t>(blockIdx.x) * kRowsPerCta + warp * kRowTiles * 16;
-  // rows [rt][h]: g (+8 for h = 1) of tile rt; loads clamp to the last row, stores skip
+  // rows [rt][h]: g (+8 for h = 1) of tile rt; rows past N are neither loaded nor stored
   const Rows rows = make_rows<FMT>(codes, scales, zeros, n_warp + g, p);
   float tsv[kRowTiles][2];
-#pragma unroll
-  for (int rt = 0; rt < kRowTiles; ++rt)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int64_t n = n_warp + rt * 16 + h * 8 + g;
-      tsv[rt][h] = p.two_level ? __ldg(ts + (n < p.N ? n : p.N - 1)) : 1.0f;
-    }
+  load_tensor_scales(ts, n_warp + g, p, tsv);
 
   const int step_begin = static_cast<int>(blockIdx.z * p.steps_per_split);
   const int step_end = static_cast<int>(min(step_begin + p.steps_per_split, p.n_steps));
@@ -610,7 +616,7 @@ constexpr int kDirectL = 2;
 constexpr int kDirectRowsPerCta = kRowsPerCta;        // 128
 constexpr int kDirectStepK = 4 * 32 * kDirectL;       // 256
 
-template <int FMT, bool BF16, bool BITS, int MT, int L = kDirectL>
+template <int FMT, bool BF16, bool BITS, int MT>
 __global__ void __launch_bounds__(kWarps * 32, 4) wmatmul_direct_kernel(
     const uint16_t* __restrict__ x, const uint8_t* __restrict__ codes,
     const void* __restrict__ scales, const uint8_t* __restrict__ zeros,
@@ -628,13 +634,7 @@ __global__ void __launch_bounds__(kWarps * 32, 4) wmatmul_direct_kernel(
                          warp * kRowTiles * 16;
   const Rows rows = make_rows<FMT>(codes, scales, zeros, n_warp + g, p);
   float tsv[kRowTiles][2];
-#pragma unroll
-  for (int rt = 0; rt < kRowTiles; ++rt)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int64_t n = n_warp + rt * 16 + h * 8 + g;
-      tsv[rt][h] = p.two_level ? __ldg(ts + (n < p.N ? n : p.N - 1)) : 1.0f;
-    }
+  load_tensor_scales(ts, n_warp + g, p, tsv);
   // activation rows of the lane's B fragments (clamped: columns past M are not stored)
   const uint16_t* xrow[MT];
 #pragma unroll
@@ -653,24 +653,24 @@ __global__ void __launch_bounds__(kWarps * 32, 4) wmatmul_direct_kernel(
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[rt][mt][e] = 0.0f;
 
-  const int lane_k = 32 * L * t;  // the lane's first k in a step
+  const int lane_k = 32 * kDirectL * t;  // the lane's first k in a step
   const bool rows_inside = n_warp + kRowTiles * 16 <= p.N;
-  Chunk c[kRowTiles][2][L];
+  Chunk c[kRowTiles][2][kDirectL];
   if (step_begin < step_end) {
 #pragma unroll
-    for (int j = 0; j < L; ++j)
+    for (int j = 0; j < kDirectL; ++j)
 #pragma unroll
       for (int rt = 0; rt < kRowTiles; ++rt)
 #pragma unroll
         for (int h = 0; h < 2; ++h)
-          load_chunk<FMT, BITS>(c[rt][h][j], rows, 2 * rt + h, step_begin * (128 * L) + lane_k + 32 * j,
-                          step_begin * (128 * L) + lane_k + 32 * j < p.K32, p);
+          load_chunk<FMT, BITS>(c[rt][h][j], rows, 2 * rt + h, step_begin * kDirectStepK + lane_k + 32 * j,
+                          step_begin * kDirectStepK + lane_k + 32 * j < p.K32, p);
   }
 
   for (int step = step_begin; step < step_end; ++step) {
 #pragma unroll
-    for (int j = 0; j < L; ++j) {
-      const int kj = step * (128 * L) + lane_k + 32 * j;
+    for (int j = 0; j < kDirectL; ++j) {
+      const int kj = step * kDirectStepK + lane_k + 32 * j;
       const bool kvalid = kj < p.K32;  // lanes past K feed zero activations
       uint4 xb[4][MT];
 #pragma unroll
@@ -693,8 +693,8 @@ __global__ void __launch_bounds__(kWarps * 32, 4) wmatmul_direct_kernel(
           tile_step<FMT, BF16, BITS, MT, kCopies>(acc[rt], w, dd, xb[s2], table, copy);
         }
       if (step + 1 < step_end) {  // the slot, now decoded, loads the next step's chunk j
-        const int kn = kj + 128 * L;
-        if (rows_inside && (step + 2) * (128 * L) <= p.K32) {  // warp-uniform: no checks
+        const int kn = kj + kDirectStepK;
+        if (rows_inside && (step + 2) * kDirectStepK <= p.K32) {  // warp-uniform: no checks
 #pragma unroll
           for (int rt = 0; rt < kRowTiles; ++rt)
 #pragma unroll
