@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import re
 import sys
 
 import jax
@@ -43,10 +44,11 @@ def weight_bytes(fmt, k, n):
 
 
 def path_of(fn, args):
-    """Which W4A16 path the lowered computation takes."""
+    """Which W4A16 path the lowered computation takes (fused: which kernel family)."""
     text = fn.lower(*args).as_text()
     if "jax_fp4_wmatmul_v1" in text:
-        return "fused"
+        m = re.search(r"tile_m = (\d+)", text)
+        return "fused mma" if m is None or m.group(1) == "0" else f"fused wgmma{m.group(1)}"
     return "dequant+dot" if "jax_fp4_dequantize_v1" in text else "reference"
 
 
@@ -87,18 +89,26 @@ def bench_w4a16(args, roof, rows):
                 print(f"{shape:11s} M={m:5d} {fmt:8s} {path:11s} {t * 1e6:9.1f} us  "
                       f"x{t_bf16 / t:5.2f} vs bf16 (ideal x{floor_bf16 / floor:4.2f})  "
                       f"x{t_ref / t:6.1f} vs ref  {100 * floor / t:5.1f}% of floor", flush=True)
-            # the size rule: both W4A16 paths side by side where they meet
+            # the size rule: the W4A16 paths side by side where they meet
             if m in args.rule_ms and "nvfp4" in args.formats:
-                saved = primitives.FUSED_MAX_M
-                for label, limit in (("fused", 1 << 30), ("dequant+dot", 0)):
-                    primitives.FUSED_MAX_M = limit
+                saved = (primitives.FUSED_MAX_M, primitives.FUSED_MAX_M_WGMMA,
+                         primitives.wgmma_available)
+                have_wgmma = primitives.wgmma_available()
+                for label, limit, wgmma in (("fused wgmma", 1 << 30, True),
+                                            ("fused mma", 1 << 30, False),
+                                            ("dequant+dot", 0, False)):
+                    if wgmma and not have_wgmma:
+                        continue
+                    primitives.FUSED_MAX_M = primitives.FUSED_MAX_M_WGMMA = limit
+                    primitives.wgmma_available = lambda wgmma=wgmma: wgmma
                     fn = jax.jit(lambda x, *q: [jf.matmul(x, v) for v in q])
                     t = timed(fn, (x, *qs["nvfp4"]), r)
                     rows.append((shape, m, "nvfp4 (rule)", label, t * 1e6, t_bf16 * 1e6,
                                  t_bf16 / t, float("nan"), float("nan"), float("nan")))
                     print(f"{shape:11s} M={m:5d} nvfp4 rule {label:11s} {t * 1e6:9.1f} us "
                           f"x{t_bf16 / t:5.2f} vs bf16", flush=True)
-                primitives.FUSED_MAX_M = saved
+                (primitives.FUSED_MAX_M, primitives.FUSED_MAX_M_WGMMA,
+                 primitives.wgmma_available) = saved
         del ws, qs
 
 

@@ -425,11 +425,15 @@ def _wmatmul_transpose(ct, x, codes, scales, zeros, ts, **params):
 # for dequantize + dot, and loses on every Llama shape there.
 FUSED_FORMATS = ("nvfp4", "mxfp4", "nf4", "bnb_fp4", "int4")
 FUSED_MAX_M = 64
+FUSED_MAX_M_WGMMA = 1 << 62
 _FUSED_TARGET = "jax_fp4_wmatmul_v1"
 # (rows per CTA, k per super-step, resident CTAs per SM, fewest super-steps per split) of
-# the direct kernel (M <= 16) and the staged kernel (csrc/cuda/wmatmul.cu)
+# the direct kernel (M <= 16), the staged kernel and the wgmma kernel by tile_m
+# (csrc/cuda/wmatmul.cu)
 _FUSED_DIRECT_MAX_M = 16
-_FUSED_GEOMETRY = {True: (128, 256, 4, 1), False: (128, 128, 4, 2)}
+_FUSED_GEOMETRY = {"direct": (128, 256, 4, 1), "staged": (128, 128, 4, 2),
+                   32: (128, 128, 2, 16), 64: (128, 128, 2, 16), 128: (128, 128, 1, 16),
+                   256: (128, 128, 1, 16)}
 
 
 def _sm_count():
@@ -441,7 +445,7 @@ def _sm_count():
     return int(n) if n else 132
 
 
-def wmatmul_splits(m, n, k, sms=None):
+def wmatmul_splits(m, n, k, sms=None, tile_m=0):
     """K-splits S of the fused kernel (grid = ceil(N / rows) x M-chunks x S CTAs).
 
     The smallest S whose CTAs fill their waves to >= 90% of the resident slots, with no
@@ -450,10 +454,12 @@ def wmatmul_splits(m, n, k, sms=None):
     the S of best wave efficiency. (Measured on an H100 with 3 CTAs per SM, nvfp4 M = 1,
     28672 x 8192: S = 6, 0.97 of a wave, 58.6 us; S = 11, 1.78 waves, 64.9 us.)"""
     direct = m <= _FUSED_DIRECT_MAX_M
-    rows, step, per_sm, min_steps = _FUSED_GEOMETRY[direct]
+    kind = tile_m or ("direct" if direct else "staged")
+    rows, step, per_sm, min_steps = _FUSED_GEOMETRY[kind]
     slots = per_sm * (sms or _sm_count())
     n_steps = -(-k // step)
-    ctas = -(-n // rows) * (1 if direct or m <= 64 else -(-m // 64))
+    m_tile = tile_m or (m if direct else 64)
+    ctas = -(-n // rows) * -(-m // m_tile)
     best, best_eff = 1, 0.0
     for s in range(1, max(1, min(n_steps // min_steps, k // (32 * m))) + 1):
         if -(-n_steps // -(-n_steps // s)) != s:
@@ -468,26 +474,81 @@ def wmatmul_splits(m, n, k, sms=None):
 
 
 def fused_wmatmul_applies(avals_in, params):
-    """Whether the fused kernel covers this call: x bf16/f16 with 1 <= M <= FUSED_MAX_M,
-    a 4-bit weight format, K % 32 == 0 and a power-of-two block_size >= 16."""
+    """Whether the fused kernel covers this call: x bf16/f16 with 1 <= M <= FUSED_MAX_M
+    (FUSED_MAX_M_WGMMA where the wgmma kernel runs), a 4-bit weight format, K % 32 == 0
+    and a power-of-two block_size >= 16."""
     x, codes = avals_in[0], avals_in[1]
     m, k = x.shape
     bs = params["block_size"]
+    max_m = FUSED_MAX_M_WGMMA if wmatmul_tile_m(m) else FUSED_MAX_M
     return (np.dtype(x.dtype) in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
-            and params["fmt"] in FUSED_FORMATS and 1 <= m <= FUSED_MAX_M
+            and params["fmt"] in FUSED_FORMATS and 1 <= m <= max_m
             and codes.shape[0] >= 1 and k % 32 == 0 and bs >= 16 and bs & (bs - 1) == 0)
+
+
+def wmatmul_x_layout(x, bit_path):
+    """x (M, K) -> (M, K128) as the wgmma kernel stages it: zero-padded to a multiple of
+    128 and permuted within each 128-k block into the k order of the kernel's A fragments
+    (csrc/cuda/wmatmul.cu, "wgmma kernel"). Block position 32 s2 + 16 hh + 8 sec + 2 tt + e
+    holds element 32 tt + 8 s2 + 4 e + 2 hh + sec (bit path: a register pairs elements
+    p, p + 4 of a code word) or 32 tt + 8 s2 + 4 hh + 2 sec + e (table path: elements
+    2 i, 2 i + 1); tt is the lane's k quarter, s2 the code word, hh / sec the two MMA
+    steps a word feeds and the two pairs of each."""
+    m, k = x.shape
+    kp = -(-k // 128) * 128
+    if kp != k:
+        x = jnp.pad(x, ((0, 0), (0, kp - k)))
+    if bit_path:  # (tt, s2, e, hh, sec) -> (s2, hh, sec, tt, e)
+        x = x.reshape(m, kp // 128, 4, 4, 2, 2, 2).transpose(0, 1, 3, 5, 6, 2, 4)
+    else:  # (tt, s2, hh, sec, e) -> (s2, hh, sec, tt, e)
+        x = x.reshape(m, kp // 128, 4, 4, 2, 2, 2).transpose(0, 1, 3, 4, 5, 2, 6)
+    return x.reshape(m, kp)
+
+
+def wmatmul_bit_path(fmt, x_dtype, two_level, scale_dtype):
+    """Whether the kernel decodes by bit placement (csrc/cuda/wmatmul.cu, use_bit_path)."""
+    x_dtype = np.dtype(x_dtype)
+    if fmt == "nvfp4":
+        return not two_level
+    if fmt == "mxfp4":
+        return x_dtype == np.dtype(jnp.bfloat16)
+    if fmt == "int4":
+        return np.dtype(scale_dtype) == x_dtype
+    return False
+
+
+def wgmma_available():
+    """Whether the sm_90a wgmma kernel can run: a compute capability 9.0 GPU and a build
+    whose CUDA architectures include 90a."""
+    if _compute_capability() != 9:
+        return False
+    return "90a" in str(_ext.build_info().get("cuda_archs", "")).replace(";", ",").split(",")
+
+
+def wmatmul_tile_m(m, wgmma=None):
+    """Activation rows per CTA of the wgmma kernel for M rows of x (0: the mma.sync
+    kernels: M <= 16, or no wgmma)."""
+    if m <= _FUSED_DIRECT_MAX_M or not (wgmma_available() if wgmma is None else wgmma):
+        return 0
+    return 32 if m <= 32 else 64 if m <= 64 else 128 if m <= 128 else 256
 
 
 def _wmatmul_fused(x, codes, scales, zeros, ts, *, fmt, block_size, two_level, out_dtype,
                    precision, impl):
-    """The fused kernel's K-split float32 partial sums, summed and cast by XLA."""
+    """The fused kernel: one split writes the output in x's dtype (or float32) itself; K
+    splits leave float32 partial sums that XLA adds and casts."""
     m, k = x.shape
-    splits = wmatmul_splits(m, codes.shape[0], k)
-    part = jax.ffi.ffi_call(_FUSED_TARGET,
-                            jax.ShapeDtypeStruct((splits, m, codes.shape[0]), jnp.float32))(
+    tile_m = wmatmul_tile_m(m)
+    splits = wmatmul_splits(m, codes.shape[0], k, tile_m=tile_m)
+    direct = splits == 1 and np.dtype(out_dtype) in (np.dtype(x.dtype), np.dtype(np.float32))
+    if tile_m:
+        x = wmatmul_x_layout(x, wmatmul_bit_path(fmt, x.dtype, two_level, scales.dtype))
+    part = jax.ffi.ffi_call(
+        _FUSED_TARGET,
+        jax.ShapeDtypeStruct((splits, m, codes.shape[0]), out_dtype if direct else jnp.float32))(
         x, codes, scales, zeros, ts, **_attrs(fmt, block_size, two_level=two_level),
-        splits=np.int64(splits))
-    return (part[0] if splits == 1 else part.sum(0)).astype(out_dtype)
+        splits=np.int64(splits), tile_m=np.int64(tile_m))
+    return part[0] if direct else part.sum(0).astype(out_dtype)
 
 
 _def_impl(wmatmul_p)

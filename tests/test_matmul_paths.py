@@ -42,19 +42,24 @@ def test_scaled_matmul_bf16_decomposition_equals_reference(a_fmt, b_fmt, rng):
     np.testing.assert_array_equal(deq, deq32)
 
 
-def test_wmatmul_splits_rule():
-    """Waves >= 90% full on a 132-SM GPU, no empty split, bounded partial-sum bytes."""
-    for m in (1, 16, 17, 64, 65, 256):
-        direct = m <= 16
-        rows, step, per_sm, min_steps = primitives._FUSED_GEOMETRY[direct]
+@pytest.mark.parametrize("wgmma", [False, True])
+def test_wmatmul_splits_rule(wgmma):
+    """Waves >= 90% full on a 132-SM GPU, no empty split, bounded partial-sum bytes, for
+    the mma.sync kernels and the wgmma kernel's tiles."""
+    for m in (1, 16, 17, 33, 64, 65, 256, 1024):
+        tile_m = primitives.wmatmul_tile_m(m, wgmma=wgmma)
+        assert (tile_m > 0) == (wgmma and m > 16) and (not tile_m or tile_m >= min(m, 256))
+        kind = tile_m or ("direct" if m <= 16 else "staged")
+        rows, step, per_sm, min_steps = primitives._FUSED_GEOMETRY[kind]
         slots = per_sm * 132
         for n in (128, 200, 4096, 14336, 28672):
             for k in (32, 160, 4096, 8192, 28672):
-                s = primitives.wmatmul_splits(m, n, k, sms=132)
+                s = primitives.wmatmul_splits(m, n, k, sms=132, tile_m=tile_m)
                 n_steps = -(-k // step)
                 s_max = max(1, min(n_steps // min_steps, k // (32 * m)))  # partials <= w / 4
                 assert 1 <= s <= s_max, (m, n, k, s)
-                ctas = -(-n // rows) * (1 if direct or m <= 64 else -(-m // 64))
+                m_tile = tile_m or (m if m <= 16 else 64)
+                ctas = -(-n // rows) * -(-m // m_tile)
 
                 def eff(s):
                     return ctas * s / (-(-ctas * s // slots) * slots)

@@ -22,6 +22,8 @@
 // the GPU; the S partial sums leave as float32.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -32,6 +34,7 @@
 #include "../cpu/validate.h"
 #include "../ffi_util.h"
 #include "handlers.h"
+#include "wgmma.cuh"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -63,6 +66,7 @@ struct WParams {
   int64_t steps_per_split;
   int two_level;
   int st;                  // INT4 scale storage type
+  int out_f32;             // output float32 (else x's dtype: one split only)
 };
 
 // Raw bits of one weight row's K-chunk (32 elements).
@@ -472,11 +476,21 @@ __device__ __forceinline__ void load_tensor_scales(const float* __restrict__ ts,
     }
 }
 
+// out[o] = v as float32 or rounded to x's dtype (p.out_f32).
+template <bool BF16>
+__device__ __forceinline__ void store_out(void* out, int64_t o, float v, const WParams& p) {
+  if (p.out_f32)
+    static_cast<float*>(out)[o] = v;
+  else
+    static_cast<uint16_t*>(out)[o] = static_cast<uint16_t>(pack2<BF16>(v, 0.0f) & 0xffffu);
+}
+
 // D fragment: lane (g, t) holds rows (weight n) g / g + 8, columns (activation m) 2t, 2t+1.
-template <int MT>
-__device__ __forceinline__ void store_tile(float* o, const float (*acc)[4], float scale,
+template <bool BF16, int MT>
+__device__ __forceinline__ void store_tile(void* out, const float (*acc)[4], float scale,
                                            int64_t n0, int64_t m0, int g, int t,
                                            const WParams& p) {
+  const int64_t z_off = static_cast<int64_t>(blockIdx.z) * p.M * p.N;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int64_t n = n0 + h * 8 + g;
@@ -486,7 +500,7 @@ __device__ __forceinline__ void store_tile(float* o, const float (*acc)[4], floa
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int64_t m = m0 + 8 * mt + 2 * t + e;
-        if (m < p.M) o[m * p.N + n] = acc[mt][2 * h + e] * scale;
+        if (m < p.M) store_out<BF16>(out, z_off + m * p.N + n, acc[mt][2 * h + e] * scale, p);
       }
   }
 }
@@ -505,7 +519,7 @@ template <int FMT, bool BF16, bool BITS, int MT>
 __global__ void __launch_bounds__(kWarps * 32) wmatmul_kernel(
     const uint16_t* __restrict__ x, const uint8_t* __restrict__ codes,
     const void* __restrict__ scales, const uint8_t* __restrict__ zeros,
-    const float* __restrict__ ts, float* __restrict__ out, const WParams p) {
+    const float* __restrict__ ts, void* __restrict__ out, const WParams p) {
   constexpr int MC = 8 * MT;
   __shared__ __align__(16) float2 table[BITS ? 1 : 256 * kStagedCopies];
   __shared__ __align__(16) uint8_t xs[MC * kXStride];
@@ -598,10 +612,9 @@ __global__ void __launch_bounds__(kWarps * 32) wmatmul_kernel(
     }
   }
 
-  float* o = out + static_cast<int64_t>(blockIdx.z) * p.M * p.N;
 #pragma unroll
   for (int rt = 0; rt < kRowTiles; ++rt)
-    store_tile<MT>(o, acc[rt], kAccScale<FMT, BF16, BITS>, n_warp + rt * 16, m0, g, t, p);
+    store_tile<BF16, MT>(out, acc[rt], kAccScale<FMT, BF16, BITS>, n_warp + rt * 16, m0, g, t, p);
 }
 
 // Decode kernel (M <= 16): each warp owns kRowTiles 16-row weight tiles (lane (g, t):
@@ -620,7 +633,7 @@ template <int FMT, bool BF16, bool BITS, int MT>
 __global__ void __launch_bounds__(kWarps * 32, 4) wmatmul_direct_kernel(
     const uint16_t* __restrict__ x, const uint8_t* __restrict__ codes,
     const void* __restrict__ scales, const uint8_t* __restrict__ zeros,
-    const float* __restrict__ ts, float* __restrict__ out, const WParams p) {
+    const float* __restrict__ ts, void* __restrict__ out, const WParams p) {
   __shared__ __align__(16) float2 table[BITS ? 1 : 256 * kCopies];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -711,15 +724,242 @@ __global__ void __launch_bounds__(kWarps * 32, 4) wmatmul_direct_kernel(
     }
   }
 
-  float* o = out + static_cast<int64_t>(blockIdx.z) * p.M * p.N;
 #pragma unroll
   for (int rt = 0; rt < kRowTiles; ++rt)
-    store_tile<MT>(o, acc[rt], kAccScale<FMT, BF16, BITS>, n_warp + rt * 16, 0, g, t, p);
+    store_tile<BF16, MT>(out, acc[rt], kAccScale<FMT, BF16, BITS>, n_warp + rt * 16, 0, g, t, p);
 }
 
-// M <= 16: the direct kernel; larger M: the staged kernel, 64 rows of x per grid.y.
+// ---- wgmma kernel (sm_90a, M > 16) ----
+//
+// Warpgroup MMA with the weight as A from registers (decoded exactly as above) and the
+// activations as B from shared memory (Machete's arrangement on Hopper: the decoded
+// weight never leaves registers). A CTA is two warpgroups over 128 weight rows (warpgroup
+// wg: rows 64 wg + 16 warp + {g, g + 8}, lane t owning k [32 t, 32 t + 32) of each per
+// 128-k step, as in the staged kernel) and BN activation rows; per 128-k step each
+// warpgroup issues 8 wgmma m64nBNk16. The MMA sums over k, so the activations must sit in
+// shared memory in the lane's k order: the caller passes x pre-permuted within each
+// 128-k block (jax_fp4/primitives.py, wmatmul_x_layout), so that plain tile copies do.
+//
+// Pipeline. The tensor memory accelerator copies each step's BN x 128 activation tile
+// (two 64-k boxes, zero past M) into the 128-byte-swizzled K-major layout that the wgmma
+// descriptor names, completing on the stage's mbarrier; wg_stages<BN> stages. A
+// warpgroup keeps one wgmma in flight across steps, so the stage of step s - 1 may still
+// be read during step s: after the barrier at the top of step s (by which both
+// warpgroups have finished with step s - 2), thread 0 issues the copy for step
+// s + stages - 2 into the stage of step s - 2. The weight chunks are loaded into
+// registers kWgDepth<BN> steps ahead (global-memory latency is the limit at small M).
+// The epilogue moves the accumulators through shared memory so that each warp stores
+// whole rows of the output.
+constexpr int kWgThreads = 256;
+constexpr int kWgRows = 128;   // weight rows per CTA
+constexpr int kWgStepK = 128;  // k per step
+constexpr int kWgGroupM = 8;   // CTA raster: kWgGroupM activation tiles per weight tile run
+constexpr int kOutStride = kWgRows + 4;  // epilogue floats per activation row (no conflicts)
+
+template <int BN>  // 4 stages (2 steps ahead) where they fit, else 3
+__host__ __device__ constexpr int wg_stages() { return BN >= 256 ? 3 : 4; }
+template <int BN>  // weight chunks in registers, steps ahead
+__host__ __device__ constexpr int wg_depth() { return BN >= 256 ? 1 : 2; }
+template <int BN>
+__host__ __device__ constexpr int wg_stage_bytes() { return BN * kWgStepK * 2; }
+template <int BN, bool BITS>
+__host__ __device__ constexpr int wg_smem_bytes() {
+  const int pipe = wg_stages<BN>() * wg_stage_bytes<BN>();
+  const int epi = BN * kOutStride * 4;
+  return 1024 /* alignment slack */ + (pipe > epi ? pipe : epi) +
+         (BITS ? 0 : 256 * kStagedCopies * 8);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+// Registers the compiler must not read or move across this point (CUTLASS's
+// warpgroup_fence_operand): the accumulators after the last wgmma.wait_group.
+template <int N>
+__device__ __forceinline__ void fence_regs(float* r) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+
+// Matrix descriptor of a K-major, 128-byte-swizzled operand (PTX ISA 9.7.15.5.1.2):
+// start address, leading byte offset (unused with this swizzle: 1), stride byte offset
+// 1024 (8 rows of 128 B), swizzle mode 1 in bits 62-63.
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t smem_addr) {
+  return static_cast<uint64_t>((smem_addr & 0x3ffffu) >> 4) | (uint64_t{1} << 16) |
+         (uint64_t{1024 >> 4} << 32) | (uint64_t{1} << 62);
+}
+
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  do {
+    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                 " selp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+  } while (!done);
+}
+
+template <int FMT, bool BF16, bool BITS, int BN>
+__global__ void __launch_bounds__(kWgThreads, BN >= 128 ? 1 : 2) wmatmul_wgmma_kernel(
+    const __grid_constant__ CUtensorMap x_map, const uint8_t* __restrict__ codes,
+    const void* __restrict__ scales, const uint8_t* __restrict__ zeros,
+    const float* __restrict__ ts, void* __restrict__ out, const WParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int kStages = wg_stages<BN>(), kAhead = kStages - 2, kDepth = wg_depth<BN>();
+  constexpr int kPipe = kStages * wg_stage_bytes<BN>();
+  constexpr int kEpi = BN * kOutStride * 4;
+  extern __shared__ uint8_t smem_raw[];
+  __shared__ __align__(8) uint64_t full[kStages];  // stage s holds its step's activations
+  const uint32_t raw_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
+  uint8_t* smem = smem_raw + (((raw_addr + 1023u) & ~1023u) - raw_addr);  // 1024-aligned
+  const uint32_t smem_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  const uint32_t full_addr = static_cast<uint32_t>(__cvta_generic_to_shared(full));
+  float2* table = reinterpret_cast<float2*>(smem + (kPipe > kEpi ? kPipe : kEpi));
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const uint32_t copy = lane & (kStagedCopies - 1);
+  if constexpr (!BITS) fill_table<FMT, kStagedCopies>(table, tid, kWgThreads);
+  if (tid == 0) {
+#pragma unroll
+    for (int i = 0; i < kStages; ++i)
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(full_addr + 8 * i));
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+
+  // raster: runs of kWgGroupM activation tiles per weight tile, so the CTAs resident at
+  // once share both operands in L2
+  const int64_t m_tiles = (p.M + BN - 1) / BN;
+  const int64_t n_tiles = (p.N + kWgRows - 1) / kWgRows;
+  const int64_t id = blockIdx.x;
+  const int64_t group = id / (kWgGroupM * n_tiles);
+  const int64_t gm0 = group * kWgGroupM;
+  const int64_t gsize = min(static_cast<int64_t>(kWgGroupM), m_tiles - gm0);
+  const int64_t rem = id - group * kWgGroupM * n_tiles;
+  const int m0 = static_cast<int>((gm0 + rem % gsize) * BN);  // M < 2^31 (TMA coordinate)
+  const int64_t n_cta = (rem / gsize) * kWgRows;
+
+  const int64_t n_warp = n_cta + (warp >> 2) * 64 + (warp & 3) * 16;
+  const Rows rows = make_rows<FMT>(codes, scales, zeros, n_warp + g, p);
+  float tsv[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int64_t n = n_warp + g + 8 * h;
+    tsv[h] = p.two_level ? __ldg(ts + (n < p.N ? n : p.N - 1)) : 1.0f;
+  }
+  const bool rows_inside = n_warp + 16 <= p.N;
+
+  const int step_begin = static_cast<int>(blockIdx.z * p.steps_per_split);
+  const int step_end = static_cast<int>(min(step_begin + p.steps_per_split, p.n_steps));
+
+  // thread 0: step's activation tile -> its stage (two 64-k boxes), arriving on full[]
+  auto stage_x = [&](int step) {
+    const int j = (step - step_begin) % kStages;
+    const uint32_t bar = full_addr + 8 * j, dst = smem_addr + j * wg_stage_bytes<BN>();
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n"
+                 ::"r"(bar), "r"(wg_stage_bytes<BN>()) : "memory");
+#pragma unroll
+    for (int kc = 0; kc < 2; ++kc)
+      asm volatile(
+          "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+          " [%0], [%1, {%2, %3}], [%4];\n"
+          ::"r"(dst + kc * BN * 128), "l"(&x_map), "r"(step * kWgStepK + 64 * kc), "r"(m0),
+            "r"(bar) : "memory");
+  };
+  auto load_step = [&](Chunk (&c)[2], int step) {
+    const int k = step * kWgStepK + 32 * t;
+    if (rows_inside && (step + 1) * kWgStepK <= p.K32) {  // warp-uniform: no checks
+#pragma unroll
+      for (int h = 0; h < 2; ++h) load_chunk<FMT, BITS, false>(c[h], rows, h, k, true, p);
+    } else {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) load_chunk<FMT, BITS>(c[h], rows, h, k, k < p.K32, p);
+    }
+  };
+
+  float acc[BN / 2];
+#pragma unroll
+  for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
+
+  __syncthreads();  // barriers initialised (and the decode table filled)
+  if (tid == 0) {
+    for (int i = 0; i < kAhead; ++i)
+      if (step_begin + i < step_end) stage_x(step_begin + i);
+  }
+  Chunk ring[kDepth][2];
+#pragma unroll
+  for (int j = 0; j < kDepth; ++j)
+    if (step_begin + j < step_end) load_step(ring[j], step_begin + j);
+
+  for (int s0 = step_begin; s0 < step_end; s0 += kDepth) {
+#pragma unroll
+    for (int j = 0; j < kDepth; ++j) {
+      const int step = s0 + j;
+      if (step >= step_end) break;
+      const Chunk cur[2] = {ring[j][0], ring[j][1]};
+      if (step + kDepth < step_end) load_step(ring[j], step + kDepth);
+      // each warpgroup has at most the last wgmma of step - 1 in flight (wait<1> below),
+      // so the stage of step - 2 is free
+      __syncthreads();
+      if (tid == 0 && step + kAhead < step_end) stage_x(step + kAhead);
+
+      Dec d[2][2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) make_decs<FMT, BF16, BITS>(cur[h], tsv[h], p, d[h]);
+      const int js = (step - step_begin) % kStages;
+      mbar_wait(full_addr + 8 * js, static_cast<uint32_t>((step - step_begin) / kStages) & 1u);
+      const uint32_t stage_addr = smem_addr + js * wg_stage_bytes<BN>();
+#pragma unroll
+      for (int s2 = 0; s2 < 4; ++s2) {
+        uint32_t r[2][4];
+        decode_word<FMT, BF16, BITS, kStagedCopies>(word_of(cur[0].q, s2), d[0][s2 >> 1], table, copy, r[0]);
+        decode_word<FMT, BF16, BITS, kStagedCopies>(word_of(cur[1].q, s2), d[1][s2 >> 1], table, copy, r[1]);
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int ks = 2 * s2 + hh;  // k16 slice of the step: atom ks / 4, 32 B each
+          const uint32_t a[4] = {r[0][2 * hh], r[1][2 * hh], r[0][2 * hh + 1], r[1][2 * hh + 1]};
+          wgmma_fence();
+          wgmma_rs<BN, BF16>(acc, a, sw128_desc(stage_addr + (ks >> 2) * BN * 128 + (ks & 3) * 32));
+          wgmma_commit();
+          wgmma_wait<1>();
+        }
+      }
+    }
+  }
+  wgmma_wait<0>();
+  fence_regs<BN / 2>(acc);
+  __syncthreads();  // the pipeline's shared memory becomes the epilogue's
+
+  // accumulator (wgmma D fragment): acc[4 j + 2 h + e] = (weight row g + 8 h of the
+  // warp's 16, activation row 8 j + 2 t + e)
+  float* tile = reinterpret_cast<float*>(smem);
+  const float scale = kAccScale<FMT, BF16, BITS>;
+  const int nl = (warp >> 2) * 64 + (warp & 3) * 16 + g;
+#pragma unroll
+  for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+        tile[(8 * j + 2 * t + e) * kOutStride + nl + 8 * h] = acc[4 * j + 2 * h + e] * scale;
+  __syncthreads();
+  const int64_t z_off = static_cast<int64_t>(blockIdx.z) * p.M * p.N;
+  for (int idx = tid; idx < BN * kWgRows; idx += kWgThreads) {
+    const int m = idx / kWgRows, n = idx % kWgRows;
+    if (m0 + m >= p.M || n_cta + n >= p.N) continue;
+    store_out<BF16>(out, z_off + (m0 + m) * p.N + n_cta + n, tile[m * kOutStride + n], p);
+  }
+#else
+  __trap();  // built without sm_90a: the handler never launches this (prepare_wgmma)
+#endif
+}
+
+// tile_m > 0: the wgmma kernel with tile_m activation rows per CTA; else M <= 16: the
+// direct kernel, larger M: the staged kernel, 64 rows of x per grid.y.
 bool direct_path(int64_t M) { return M <= 16; }
-int64_t step_k(int64_t M) { return direct_path(M) ? kDirectStepK : kStepK; }
+int64_t step_k(int64_t M, int64_t tile_m) {
+  return tile_m > 0 ? kWgStepK : direct_path(M) ? kDirectStepK : kStepK;
+}
 
 // Whether the bit path is exact for this call (see the decode comment above).
 template <int FMT, bool BF16>
@@ -730,9 +970,77 @@ bool use_bit_path(const WParams& p) {
   return true;
 }
 
+// The wgmma kernel instance runs here only if its sm_90a code was built and the device is
+// compute capability 9.0 (an sm_90a cubin loads on nothing else). Also raises its
+// dynamic shared-memory limit, once.
+template <class Kernel>
+cudaError_t prepare_wgmma(Kernel kernel, int smem_bytes) {
+  int dev = 0, major = 0, minor = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+  if (e != cudaSuccess) return e;
+  cudaFuncAttributes attr;
+  e = cudaFuncGetAttributes(&attr, kernel);
+  if (e != cudaSuccess) return e;
+  if (major != 9 || minor != 0 || attr.binaryVersion != 90) return cudaErrorNoKernelImageForDevice;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+}
+
+// Tensor map of the permuted x (M, K128) for the activation tiles: boxes of 64 k x BN
+// rows, 128-byte swizzle, zero fill past M. cuTensorMapEncodeTiled comes from the driver
+// through the runtime (no libcuda link).
+cudaError_t x_tensor_map(CUtensorMap* map, const uint16_t* xp, bool bf16, const WParams& p,
+                         int bn) {
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000,
+                                         cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+      fn = nullptr;
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(p.n_steps * kWgStepK),
+                              static_cast<cuuint64_t>(p.M)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(p.n_steps * kWgStepK * 2)};
+  const cuuint32_t box[2] = {64, static_cast<cuuint32_t>(bn)}, elem[2] = {1, 1};
+  const CUresult r = encode(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                            2, const_cast<uint16_t*>(xp), dims, strides, box, elem,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+template <int FMT, bool BF16, bool BITS, int BN>
+cudaError_t launch_wgmma(cudaStream_t stream, const uint16_t* xp, const uint8_t* cp,
+                         const void* sp, const uint8_t* zp, const float* tp, void* out,
+                         const WParams& p, int splits) {
+  auto kernel = wmatmul_wgmma_kernel<FMT, BF16, BITS, BN>;
+  constexpr int kSmem = wg_smem_bytes<BN, BITS>();
+  static const cudaError_t ready = prepare_wgmma(kernel, kSmem);
+  if (ready != cudaSuccess) return ready;
+  CUtensorMap map;
+  const cudaError_t e = x_tensor_map(&map, xp, BF16, p, BN);
+  if (e != cudaSuccess) return e;
+  const int64_t tiles = ((p.M + BN - 1) / BN) * ((p.N + kWgRows - 1) / kWgRows);
+  const dim3 grid(static_cast<unsigned>(tiles), 1, static_cast<unsigned>(splits));
+  kernel<<<grid, kWgThreads, kSmem, stream>>>(map, cp, sp, zp, tp, out, p);
+  return cudaGetLastError();
+}
+
 template <int FMT, bool BF16, bool BITS>
-void launch_kernel(cudaStream_t stream, const uint16_t* xp, const uint8_t* cp, const void* sp,
-                   const uint8_t* zp, const float* tp, float* out, const WParams& p, int splits) {
+cudaError_t launch_kernel(cudaStream_t stream, const uint16_t* xp, const uint8_t* cp,
+                          const void* sp, const uint8_t* zp, const float* tp, void* out,
+                          const WParams& p, int splits, int64_t tile_m) {
+  switch (tile_m) {
+    case 32: return launch_wgmma<FMT, BF16, BITS, 32>(stream, xp, cp, sp, zp, tp, out, p, splits);
+    case 64: return launch_wgmma<FMT, BF16, BITS, 64>(stream, xp, cp, sp, zp, tp, out, p, splits);
+    case 128: return launch_wgmma<FMT, BF16, BITS, 128>(stream, xp, cp, sp, zp, tp, out, p, splits);
+    case 256: return launch_wgmma<FMT, BF16, BITS, 256>(stream, xp, cp, sp, zp, tp, out, p, splits);
+    default: break;
+  }
   if (direct_path(p.M)) {
     const dim3 grid(static_cast<unsigned>((p.N + kDirectRowsPerCta - 1) / kDirectRowsPerCta), 1,
                     static_cast<unsigned>(splits));
@@ -750,26 +1058,32 @@ void launch_kernel(cudaStream_t stream, const uint16_t* xp, const uint8_t* cp, c
     else
       wmatmul_kernel<FMT, BF16, BITS, 8><<<grid, kWarps * 32, 0, stream>>>(xp, cp, sp, zp, tp, out, p);
   }
+  return cudaGetLastError();
 }
 
 template <int FMT, bool BF16>
 ffi::Error launch_fmt(cudaStream_t stream, const ffi::AnyBuffer& x, const ffi::AnyBuffer& codes,
                       const ffi::AnyBuffer& scales, const ffi::AnyBuffer& zeros,
-                      const ffi::AnyBuffer& ts, float* out, const WParams& p, int splits) {
+                      const ffi::AnyBuffer& ts, void* out, const WParams& p, int splits,
+                      int64_t tile_m) {
   const auto* xp = static_cast<const uint16_t*>(x.untyped_data());
   const auto* cp = static_cast<const uint8_t*>(codes.untyped_data());
   const auto* zp = static_cast<const uint8_t*>(zeros.untyped_data());
   const auto* tp = static_cast<const float*>(ts.untyped_data());
   const void* sp = scales.untyped_data();
+  cudaError_t e;
   if constexpr (kHasBitPath<FMT, BF16>) {
-    if (use_bit_path<FMT, BF16>(p))
-      launch_kernel<FMT, BF16, true>(stream, xp, cp, sp, zp, tp, out, p, splits);
-    else
-      launch_kernel<FMT, BF16, false>(stream, xp, cp, sp, zp, tp, out, p, splits);
+    e = use_bit_path<FMT, BF16>(p)
+            ? launch_kernel<FMT, BF16, true>(stream, xp, cp, sp, zp, tp, out, p, splits, tile_m)
+            : launch_kernel<FMT, BF16, false>(stream, xp, cp, sp, zp, tp, out, p, splits, tile_m);
   } else {
-    launch_kernel<FMT, BF16, false>(stream, xp, cp, sp, zp, tp, out, p, splits);
+    e = launch_kernel<FMT, BF16, false>(stream, xp, cp, sp, zp, tp, out, p, splits, tile_m);
   }
-  const cudaError_t e = cudaGetLastError();
+  if (e == cudaErrorNoKernelImageForDevice && tile_m > 0)
+    return ffi::Error::InvalidArgument(
+        "jax_fp4_wmatmul_v1 (CUDA): attribute `tile_m` = " + std::to_string(tile_m) +
+        " asks for the wgmma kernel, which needs a compute capability 9.0 GPU and a build for "
+        "sm_90a (CUDAARCHS containing 90a); use tile_m = 0");
   if (e != cudaSuccess)
     return ffi::Error::Internal(std::string("jax_fp4_wmatmul_v1 (CUDA): ") + cudaGetErrorString(e));
   return ffi::Error::Success();
@@ -778,31 +1092,40 @@ ffi::Error launch_fmt(cudaStream_t stream, const ffi::AnyBuffer& x, const ffi::A
 template <bool BF16>
 ffi::Error launch(int fmt, cudaStream_t stream, const ffi::AnyBuffer& x, const ffi::AnyBuffer& codes,
                   const ffi::AnyBuffer& scales, const ffi::AnyBuffer& zeros,
-                  const ffi::AnyBuffer& ts, float* out, const WParams& p, int splits) {
+                  const ffi::AnyBuffer& ts, void* out, const WParams& p, int splits,
+                  int64_t tile_m) {
   switch (fmt) {
-    case kNVFP4: return launch_fmt<kNVFP4, BF16>(stream, x, codes, scales, zeros, ts, out, p, splits);
-    case kMXFP4: return launch_fmt<kMXFP4, BF16>(stream, x, codes, scales, zeros, ts, out, p, splits);
-    case kNF4: return launch_fmt<kNF4, BF16>(stream, x, codes, scales, zeros, ts, out, p, splits);
-    case kBNB_FP4: return launch_fmt<kBNB_FP4, BF16>(stream, x, codes, scales, zeros, ts, out, p, splits);
-    default: return launch_fmt<kINT4, BF16>(stream, x, codes, scales, zeros, ts, out, p, splits);
+    case kNVFP4: return launch_fmt<kNVFP4, BF16>(stream, x, codes, scales, zeros, ts, out, p, splits, tile_m);
+    case kMXFP4: return launch_fmt<kMXFP4, BF16>(stream, x, codes, scales, zeros, ts, out, p, splits, tile_m);
+    case kNF4: return launch_fmt<kNF4, BF16>(stream, x, codes, scales, zeros, ts, out, p, splits, tile_m);
+    case kBNB_FP4: return launch_fmt<kBNB_FP4, BF16>(stream, x, codes, scales, zeros, ts, out, p, splits, tile_m);
+    default: return launch_fmt<kINT4, BF16>(stream, x, codes, scales, zeros, ts, out, p, splits, tile_m);
   }
 }
 
 ffi::Error WMatmulImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer codes,
                        ffi::AnyBuffer scales, ffi::AnyBuffer zeros, ffi::AnyBuffer ts,
                        ffi::Result<ffi::AnyBuffer> out, int32_t fmt, int64_t block_size,
-                       int32_t two_level, int64_t splits) {
+                       int32_t two_level, int64_t splits, int64_t tile_m) {
   const std::string where = "jax_fp4_wmatmul_v1 (CUDA)";
   JF4_RETURN_IF_ERROR(check_dtype(where, "x", x.element_type(),
                                   {ffi::DataType::BF16, ffi::DataType::F16}));
-  if (x.dimensions().size() != 2)
-    return invalid(where, "buffer `x` must be 2-D (M, K), got shape " + dims_str(x.dimensions()));
-  const int64_t M = x.dimensions()[0], K = x.dimensions()[1];
   if (fmt != kNVFP4 && fmt != kMXFP4 && fmt != kNF4 && fmt != kBNB_FP4 && fmt != kINT4)
     return invalid(where, "attribute `fmt` = " + std::to_string(fmt) +
                               " has no fused kernel (nvfp4, mxfp4, nf4, bnb_fp4, int4 only)");
+  if (tile_m != 0 && tile_m != 32 && tile_m != 64 && tile_m != 128 && tile_m != 256)
+    return invalid(where, "attribute `tile_m` = " + std::to_string(tile_m) +
+                              " must be 0 (mma.sync kernels) or 32, 64, 128, 256 (wgmma kernel)");
   if (codes.dimensions().size() != 2)
     return invalid(where, "buffer `codes` must be 2-D (N, K/2), got shape " + dims_str(codes.dimensions()));
+  const int64_t K = 2 * codes.dimensions()[1];
+  // the wgmma kernel takes x permuted within 128-k blocks and zero-padded to them
+  const int64_t x_cols = tile_m > 0 ? (K + kWgStepK - 1) / kWgStepK * kWgStepK : K;
+  if (x.dimensions().size() != 2 || x.dimensions()[1] != x_cols)
+    return invalid(where, "buffer `x` must be 2-D (M, " + std::to_string(x_cols) +
+                              ") for K = " + std::to_string(K) + " and tile_m = " +
+                              std::to_string(tile_m) + ", got shape " + dims_str(x.dimensions()));
+  const int64_t M = x.dimensions()[0];
   Problem p;
   JF4_RETURN_IF_ERROR(validate_problem(where, fmt, block_size, 0, two_level,
                                        codes.dimensions()[0], K, &p));
@@ -813,17 +1136,21 @@ ffi::Error WMatmulImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer cod
     return invalid(where, "the fused kernel needs K % 32 == 0, K < 2^31 and a power-of-two "
                           "block_size >= 16, got K = " + std::to_string(K) + ", block_size = " +
                               std::to_string(block_size));
-  const int64_t n_steps = (K + step_k(M) - 1) / step_k(M);
+  const int64_t step = step_k(M, tile_m);
+  const int64_t n_steps = (K + step - 1) / step;
   if (splits < 1 || splits > 65535 || (n_steps > 0 && splits > n_steps))
     return invalid(where, "attribute `splits` = " + std::to_string(splits) +
-                              " must be in [1, min(65535, ceil(K / " + std::to_string(step_k(M)) +
+                              " must be in [1, min(65535, ceil(K / " + std::to_string(step) +
                               "))]");
-  JF4_RETURN_IF_ERROR(check_dtype(where, "out", out->element_type(), {ffi::DataType::F32}));
+  if (splits == 1)
+    JF4_RETURN_IF_ERROR(check_dtype(where, "out", out->element_type(),
+                                    {ffi::DataType::F32, x.element_type()}));
+  else
+    JF4_RETURN_IF_ERROR(check_dtype(where, "out", out->element_type(), {ffi::DataType::F32}));
   JF4_RETURN_IF_ERROR(check_shape(where, "out", out->dimensions(), {splits, M, p.R}));
   if (M == 0 || p.R == 0) return ffi::Error::Success();
   if (K == 0) {
-    const cudaError_t e = cudaMemsetAsync(out->untyped_data(), 0,
-                                          static_cast<size_t>(splits * M * p.R) * sizeof(float), stream);
+    const cudaError_t e = cudaMemsetAsync(out->untyped_data(), 0, out->size_bytes(), stream);
     return e == cudaSuccess ? ffi::Error::Success()
                             : ffi::Error::Internal(where + ": " + cudaGetErrorString(e));
   }
@@ -840,10 +1167,11 @@ ffi::Error WMatmulImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer cod
   w.steps_per_split = (n_steps + splits - 1) / splits;
   w.two_level = p.two_level;
   w.st = p.scale_type;
-  float* o = static_cast<float*>(out->untyped_data());
+  w.out_f32 = out->element_type() == ffi::DataType::F32;
+  void* o = out->untyped_data();
   return x.element_type() == ffi::DataType::BF16
-             ? launch<true>(fmt, stream, x, codes, scales, zeros, ts, o, w, static_cast<int>(splits))
-             : launch<false>(fmt, stream, x, codes, scales, zeros, ts, o, w, static_cast<int>(splits));
+             ? launch<true>(fmt, stream, x, codes, scales, zeros, ts, o, w, static_cast<int>(splits), tile_m)
+             : launch<false>(fmt, stream, x, codes, scales, zeros, ts, o, w, static_cast<int>(splits), tile_m);
 }
 
 }  // namespace
@@ -853,13 +1181,16 @@ ffi::Error WMatmulImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer cod
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4WMatmulV1Cuda, jf4::cuda::WMatmulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()  // x (M, K) bf16/f16
+                                  .Arg<ffi::AnyBuffer>()  // x (M, K) bf16/f16 (tile_m > 0:
+                                                          // (M, K128), permuted)
                                   .Arg<ffi::AnyBuffer>()  // codes (N, K/2) u8
                                   .Arg<ffi::AnyBuffer>()  // scales (N, K/bs)
                                   .Arg<ffi::AnyBuffer>()  // zeros (N, K/bs) u8 or (0,)
                                   .Arg<ffi::AnyBuffer>()  // ts (N,) f32
-                                  .Ret<ffi::AnyBuffer>()  // partial sums (S, M, N) f32
+                                  .Ret<ffi::AnyBuffer>()  // partial sums (S, M, N) f32, or
+                                                          // x's dtype when S = 1
                                   .Attr<int32_t>("fmt")
                                   .Attr<int64_t>("block_size")
                                   .Attr<int32_t>("two_level")
-                                  .Attr<int64_t>("splits"));
+                                  .Attr<int64_t>("splits")
+                                  .Attr<int64_t>("tile_m"));
