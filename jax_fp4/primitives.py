@@ -417,20 +417,27 @@ def _wmatmul_transpose(ct, x, codes, scales, zeros, ts, **params):
     return [ctx.astype(x.aval.dtype), None, None, None, None]
 
 
-# Fused W4A16 CUDA kernel (csrc/cuda/wmatmul.cu). Size rule: M (rows of x) up to
-# FUSED_MAX_M runs the fused kernel; larger M runs the CUDA dequantize kernel + XLA's
-# (cuBLAS) bf16 dot. Measured on an H100 (benchmarks/RESULTS.md, 2026-11-23, device
-# time), nvfp4: at M = 64 the fused kernel takes 0.15-0.18 ms on 8192 x 28672 / 28672 x
-# 8192 (bf16 dot alone: 0.15-0.16); at M = 256 it takes 0.53-0.57 ms against 0.41-0.44 ms
-# for dequantize + dot, and loses on every Llama shape there.
+# Fused W4A16 CUDA kernel (csrc/cuda/wmatmul.cu) and the size rule, measured on an H100
+# (benchmarks/RESULTS.md, 2026-11-23, device time, nvfp4 8192 x 28672 / 28672 x 8192):
+# - M <= 8: the direct (mma.sync) kernel: 64-78 us; the wgmma kernel takes 84 us there.
+# - 9 <= M <= FUSED_MAX_M_WGMMA on sm_90a: the wgmma kernel (M = 16: 84-85 us against
+#   90-101 us direct; M = 2048: 1.29-1.35 ms against 1.35-1.45 ms for dequantize + dot).
+# - larger M: the CUDA dequantize kernel + XLA's (cuBLAS) bf16 dot (M = 4096: 2.49-2.65
+#   ms against 2.61-2.75 ms fused).
+# - without wgmma (other GPUs, or a build without sm_90a): the mma.sync kernels up to
+#   FUSED_MAX_M (M = 64: 0.15-0.18 ms, about the bf16 dot; at M = 256 they lose to
+#   dequantize + dot), then dequantize + dot.
 FUSED_FORMATS = ("nvfp4", "mxfp4", "nf4", "bnb_fp4", "int4")
 FUSED_MAX_M = 64
-FUSED_MAX_M_WGMMA = 1 << 62
+FUSED_MAX_M_WGMMA = 2048
 _FUSED_TARGET = "jax_fp4_wmatmul_v1"
 # (rows per CTA, k per super-step, resident CTAs per SM, fewest super-steps per split) of
 # the direct kernel (M <= 16), the staged kernel and the wgmma kernel by tile_m
-# (csrc/cuda/wmatmul.cu)
+# (csrc/cuda/wmatmul.cu). The wgmma kernel splits K only into runs of >= 16 steps: a
+# sweep (S = 1, 2, 4, 7) at M = 32-128 on the two shapes above was fastest at the
+# smallest S that fills the GPU.
 _FUSED_DIRECT_MAX_M = 16
+_WGMMA_MIN_M = 9
 _FUSED_GEOMETRY = {"direct": (128, 256, 4, 1), "staged": (128, 128, 4, 2),
                    32: (128, 128, 2, 16), 64: (128, 128, 2, 16), 128: (128, 128, 1, 16),
                    256: (128, 128, 1, 16)}
@@ -527,8 +534,8 @@ def wgmma_available():
 
 def wmatmul_tile_m(m, wgmma=None):
     """Activation rows per CTA of the wgmma kernel for M rows of x (0: the mma.sync
-    kernels: M <= 16, or no wgmma)."""
-    if m <= _FUSED_DIRECT_MAX_M or not (wgmma_available() if wgmma is None else wgmma):
+    kernels: M < _WGMMA_MIN_M, or no wgmma)."""
+    if m < _WGMMA_MIN_M or not (wgmma_available() if wgmma is None else wgmma):
         return 0
     return 32 if m <= 32 else 64 if m <= 64 else 128 if m <= 128 else 256
 

@@ -26,9 +26,10 @@ W_CASES = [
     ("int4", 32, {"scale_dtype": jnp.float32}, BF16),
     ("nvfp4", 16, {}, F16), ("nvfp4", 16, {"tensor_scale": "auto"}, F16), ("mxfp4", 32, {}, F16),
     ("int4", 64, {}, F16), ("int4", 16, {"scale_dtype": F16}, F16)]
-# (M, K, N): M = 1, 4 and 13 (direct kernel); 17, 33, 100, 300 (wgmma kernel with
-# tile_m = 32, 64, 128, 256, M ragged, two M tiles at 300; staged kernel without wgmma);
-# K not a multiple of the 128/256-k steps; N not a multiple of 128
+# (M, K, N): M = 1 and 4 (direct kernel); 13, 17, 33, 100, 300 (wgmma kernel with tile_m
+# = 32, 32, 64, 128, 256, M ragged, two M tiles at 300; without wgmma: the direct kernel
+# at 13, the staged kernel above); K not a multiple of the 128/256-k steps; N not a
+# multiple of 128
 SHAPES = [(1, 384, 200), (13, 1056, 136), (4, 4096, 520), (17, 416, 264), (33, 640, 136),
           (100, 384, 200), (300, 1056, 136)]
 
@@ -75,7 +76,7 @@ def test_fused_wmatmul_matches_reference(fmt, bs, kw, dtype, family, rng, monkey
         monkeypatch.setattr(primitives, "wgmma_available", lambda: False)
     monkeypatch.setattr(primitives, "FUSED_MAX_M", 1 << 30)  # every M fused
     for m, k, n in SHAPES:
-        if family == "mma" and m <= 16:
+        if family == "mma" and m < primitives._WGMMA_MIN_M:
             continue  # the same direct kernel as the wgmma family
         k = _k_for(k, bs)
         x = jnp.asarray(rng.standard_normal((m, k)), dtype)
@@ -93,7 +94,7 @@ def test_fused_wmatmul_matches_reference(fmt, bs, kw, dtype, family, rng, monkey
         assert "jax_fp4_wmatmul_v1" in text, f"{fmt} M={m} K={k}: fused kernel not used"
         want_tile = primitives.wmatmul_tile_m(m)
         assert f"tile_m = {want_tile} " in text, (m, want_tile)
-        assert (want_tile > 0) == (family == "wgmma" and m > 16), (family, m, want_tile)
+        assert (want_tile > 0) == (family == "wgmma" and m >= primitives._WGMMA_MIN_M), m
         _check(f32(xg, qg), np.asarray(x, np.float32), w_ref, f"{fmt} {kw} {dtype.__name__} "
                f"M={m} K={k} N={n}")
         # x's dtype out: the float32 sum rounded once. (Not compared bit for bit with the
@@ -135,13 +136,14 @@ def test_wmatmul_grad_and_large_m_path(rng):
     g = jax.jit(jax.grad(lambda x: jf.matmul(x, q).astype(jnp.float32).sum()))(x)
     wd = np.asarray(q.dequantize(jnp.bfloat16), np.float32)
     np.testing.assert_allclose(np.asarray(g, np.float32)[0], wd.sum(1), rtol=1e-2, atol=1e-2)
-    big_m = (primitives.FUSED_MAX_M_WGMMA if primitives.wgmma_available()
-             else primitives.FUSED_MAX_M) + 1
-    if big_m < 1 << 16:  # past the size rule: dequantize kernel + XLA dot
-        big = jax.device_put(jnp.asarray(rng.standard_normal((big_m, k)), jnp.bfloat16),
-                             _gpu())
-        text = jax.jit(jf.matmul).lower(big, q).as_text()
-        assert "jax_fp4_wmatmul_v1" not in text and "jax_fp4_dequantize_v1" in text
+    # the size rule: fused up to its limit, dequantize kernel + XLA dot past it
+    limit = (primitives.FUSED_MAX_M_WGMMA if primitives.wgmma_available()
+             else primitives.FUSED_MAX_M)
+    for m, fused in ((limit, True), (limit + 1, False)):
+        xm = jax.device_put(jnp.zeros((m, k), jnp.bfloat16), _gpu())
+        text = jax.jit(jf.matmul).lower(xm, q).as_text()
+        assert ("jax_fp4_wmatmul_v1" in text) == fused, m
+        assert ("jax_fp4_dequantize_v1" in text) == (not fused), m
 
 
 @pytest.mark.parametrize("a_fmt,b_fmt", [("nvfp4", "nvfp4"), ("mxfp4", "mxfp4"),

@@ -48,7 +48,7 @@ def test_wmatmul_splits_rule(wgmma):
     the mma.sync kernels and the wgmma kernel's tiles."""
     for m in (1, 16, 17, 33, 64, 65, 256, 1024):
         tile_m = primitives.wmatmul_tile_m(m, wgmma=wgmma)
-        assert (tile_m > 0) == (wgmma and m > 16) and (not tile_m or tile_m >= min(m, 256))
+        assert (tile_m > 0) == (wgmma and m >= 9) and (not tile_m or tile_m >= min(m, 256))
         kind = tile_m or ("direct" if m <= 16 else "staged")
         rows, step, per_sm, min_steps = primitives._FUSED_GEOMETRY[kind]
         slots = per_sm * 132

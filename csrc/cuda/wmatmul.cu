@@ -743,13 +743,12 @@ __global__ void __launch_bounds__(kWarps * 32, 4) wmatmul_direct_kernel(
 // Pipeline. The tensor memory accelerator copies each step's BN x 128 activation tile
 // (two 64-k boxes, zero past M) into the 128-byte-swizzled K-major layout that the wgmma
 // descriptor names, completing on the stage's mbarrier; wg_stages<BN> stages. A
-// warpgroup keeps one wgmma in flight across steps, so the stage of step s - 1 may still
-// be read during step s: after the barrier at the top of step s (by which both
+// warpgroup keeps one wgmma group in flight across steps, so the stage of step s - 1
+// may still be read during step s: after the barrier at the top of step s (by which both
 // warpgroups have finished with step s - 2), thread 0 issues the copy for step
 // s + stages - 2 into the stage of step s - 2. The weight chunks are loaded into
-// registers kWgDepth<BN> steps ahead (global-memory latency is the limit at small M).
-// The epilogue moves the accumulators through shared memory so that each warp stores
-// whole rows of the output.
+// registers one step ahead. The epilogue moves the accumulators through shared memory
+// so that each warp stores whole rows of the output.
 constexpr int kWgThreads = 256;
 constexpr int kWgRows = 128;   // weight rows per CTA
 constexpr int kWgStepK = 128;  // k per step
@@ -758,8 +757,8 @@ constexpr int kOutStride = kWgRows + 4;  // epilogue floats per activation row (
 
 template <int BN>  // 4 stages (2 steps ahead) where they fit, else 3
 __host__ __device__ constexpr int wg_stages() { return BN >= 256 ? 3 : 4; }
-template <int BN>  // weight chunks in registers, steps ahead
-__host__ __device__ constexpr int wg_depth() { return BN >= 256 ? 1 : 2; }
+template <int BN>  // code words (of each of a lane's two rows) decoded per wgmma group:
+__host__ __device__ constexpr int wg_words() { return BN >= 256 ? 1 : 2; }
 template <int BN>
 __host__ __device__ constexpr int wg_stage_bytes() { return BN * kWgStepK * 2; }
 template <int BN, bool BITS>
@@ -775,11 +774,19 @@ __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_grou
 template <int N>
 __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
 // Registers the compiler must not read or move across this point (CUTLASS's
-// warpgroup_fence_operand): the accumulators after the last wgmma.wait_group.
+// warpgroup_fence_operand): the accumulators after the last wgmma.wait_group, the A
+// fragments before wgmma.fence (ptxas serializes the wgmmas if an input register is
+// defined between the fence and the wgmma).
 template <int N>
 __device__ __forceinline__ void fence_regs(float* r) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+template <int N>
+__device__ __forceinline__ void fence_regs(uint32_t (*r)[4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+    asm volatile("" : "+r"(r[i][0]), "+r"(r[i][1]), "+r"(r[i][2]), "+r"(r[i][3])::"memory");
 }
 
 // Matrix descriptor of a K-major, 128-byte-swizzled operand (PTX ISA 9.7.15.5.1.2):
@@ -805,7 +812,8 @@ __global__ void __launch_bounds__(kWgThreads, BN >= 128 ? 1 : 2) wmatmul_wgmma_k
     const void* __restrict__ scales, const uint8_t* __restrict__ zeros,
     const float* __restrict__ ts, void* __restrict__ out, const WParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr int kStages = wg_stages<BN>(), kAhead = kStages - 2, kDepth = wg_depth<BN>();
+  constexpr int kStages = wg_stages<BN>(), kAhead = kStages - 2;
+  constexpr int kWords = wg_words<BN>();
   constexpr int kPipe = kStages * wg_stage_bytes<BN>();
   constexpr int kEpi = BN * kOutStride * 4;
   extern __shared__ uint8_t smem_raw[];
@@ -886,44 +894,56 @@ __global__ void __launch_bounds__(kWgThreads, BN >= 128 ? 1 : 2) wmatmul_wgmma_k
     for (int i = 0; i < kAhead; ++i)
       if (step_begin + i < step_end) stage_x(step_begin + i);
   }
-  Chunk ring[kDepth][2];
-#pragma unroll
-  for (int j = 0; j < kDepth; ++j)
-    if (step_begin + j < step_end) load_step(ring[j], step_begin + j);
+  Chunk nxt[2];
+  if (step_begin < step_end) load_step(nxt, step_begin);
 
-  for (int s0 = step_begin; s0 < step_end; s0 += kDepth) {
-#pragma unroll
-    for (int j = 0; j < kDepth; ++j) {
-      const int step = s0 + j;
-      if (step >= step_end) break;
-      const Chunk cur[2] = {ring[j][0], ring[j][1]};
-      if (step + kDepth < step_end) load_step(ring[j], step + kDepth);
-      // each warpgroup has at most the last wgmma of step - 1 in flight (wait<1> below),
-      // so the stage of step - 2 is free
-      __syncthreads();
-      if (tid == 0 && step + kAhead < step_end) stage_x(step + kAhead);
+  for (int step = step_begin; step < step_end; ++step) {
+    const Chunk cur[2] = {nxt[0], nxt[1]};
+    if (step + 1 < step_end) load_step(nxt, step + 1);
+    // each warpgroup has at most the last wgmma group of step - 1 in flight (wait<1>
+    // below), so the stage of step - 2 is free
+    __syncthreads();
+    if (tid == 0 && step + kAhead < step_end) stage_x(step + kAhead);
 
-      Dec d[2][2];
+    Dec d[2][2];
 #pragma unroll
-      for (int h = 0; h < 2; ++h) make_decs<FMT, BF16, BITS>(cur[h], tsv[h], p, d[h]);
-      const int js = (step - step_begin) % kStages;
-      mbar_wait(full_addr + 8 * js, static_cast<uint32_t>((step - step_begin) / kStages) & 1u);
-      const uint32_t stage_addr = smem_addr + js * wg_stage_bytes<BN>();
+    for (int h = 0; h < 2; ++h) make_decs<FMT, BF16, BITS>(cur[h], tsv[h], p, d[h]);
+    const int js = (step - step_begin) % kStages;
+    const uint32_t stage_addr = smem_addr + js * wg_stage_bytes<BN>();
+    // groups of kWords code words: decode them (A of 2 kWords wgmmas), issue the
+    // wgmmas as one group, then wait for the group before. One group in flight, not
+    // more: the next step rewrites this step's A registers (the same PTX registers in
+    // every iteration), which is safe only once their wgmmas are done (PTX ISA:
+    // wgmma.mma_async inputs may not change before the wgmma.wait_group that covers it;
+    // two in flight failed the GPU tests).
 #pragma unroll
-      for (int s2 = 0; s2 < 4; ++s2) {
+    for (int w0 = 0; w0 < 4; w0 += kWords) {
+      uint32_t a[2 * kWords][4];
+#pragma unroll
+      for (int w = 0; w < kWords; ++w) {
+        const int s2 = w0 + w;
         uint32_t r[2][4];
         decode_word<FMT, BF16, BITS, kStagedCopies>(word_of(cur[0].q, s2), d[0][s2 >> 1], table, copy, r[0]);
         decode_word<FMT, BF16, BITS, kStagedCopies>(word_of(cur[1].q, s2), d[1][s2 >> 1], table, copy, r[1]);
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-          const int ks = 2 * s2 + hh;  // k16 slice of the step: atom ks / 4, 32 B each
-          const uint32_t a[4] = {r[0][2 * hh], r[1][2 * hh], r[0][2 * hh + 1], r[1][2 * hh + 1]};
-          wgmma_fence();
-          wgmma_rs<BN, BF16>(acc, a, sw128_desc(stage_addr + (ks >> 2) * BN * 128 + (ks & 3) * 32));
-          wgmma_commit();
-          wgmma_wait<1>();
+          a[2 * w + hh][0] = r[0][2 * hh];
+          a[2 * w + hh][1] = r[1][2 * hh];
+          a[2 * w + hh][2] = r[0][2 * hh + 1];
+          a[2 * w + hh][3] = r[1][2 * hh + 1];
         }
       }
+      if (w0 == 0)  // the step's activations have landed
+        mbar_wait(full_addr + 8 * js, static_cast<uint32_t>((step - step_begin) / kStages) & 1u);
+      fence_regs<2 * kWords>(a);
+      wgmma_fence();
+#pragma unroll
+      for (int i = 0; i < 2 * kWords; ++i) {
+        const int ks = 2 * w0 + i;  // k16 slice of the step: atom ks / 4, 32 B each
+        wgmma_rs<BN, BF16>(acc, a[i], sw128_desc(stage_addr + (ks >> 2) * BN * 128 + (ks & 3) * 32));
+      }
+      wgmma_commit();
+      wgmma_wait<1>();
     }
   }
   wgmma_wait<0>();
