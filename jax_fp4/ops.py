@@ -332,9 +332,12 @@ def _weight_matmul(x, w: QArray, x_axis, precision, out_dtype):
 def matmul(x, w: QArray):
     """``x (..., K) @ w (K, N)`` with a QArray weight blocked along K (axis 0).
 
-    On CUDA, with bf16/f16 x of at most ``primitives.FUSED_MAX_M`` rows and a 4-bit weight
-    (nvfp4, mxfp4, nf4, bnb_fp4, int4; K % 32 == 0; power-of-two block size), this runs
-    the fused W4A16 kernel (csrc/cuda/wmatmul.cu); otherwise dequantize + XLA dot.
+    On CUDA, with bf16/f16 x and a 4-bit weight (nvfp4, mxfp4, nf4, bnb_fp4, int4;
+    K % 32 == 0; power-of-two block size), this runs the fused W4A16 kernel
+    (csrc/cuda/wmatmul.cu) for up to ``primitives.FUSED_MAX_M_WGMMA`` rows of x on a
+    Hopper GPU with an sm_90a build (``primitives.FUSED_MAX_M`` rows elsewhere);
+    otherwise dequantize + XLA dot. The size rule and its measurements:
+    jax_fp4/primitives.py, benchmarks/RESULTS.md.
 
     Returns:
       (..., N) array in the promoted dtype of x and ``w.dtype``.

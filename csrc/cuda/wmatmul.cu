@@ -4,24 +4,22 @@
 //
 // x (M, K) bf16/f16; w (N, K) a 4-bit QArray blocked along K (nvfp4 with or without the
 // per-tensor scale, mxfp4, nf4, bnb_fp4, int4); partial (S, M, N) float32, summed over
-// the S K-splits by the caller (jax_fp4/primitives.py). Each weight element is decoded to
-// the value the reference gives it (float32 value, rounded to x's dtype to nearest even)
-// inside the main loop -- no dequantized weight reaches HBM -- and multiplied on the
-// tensor cores (mma.sync m16n8k16, float32 accumulation). How it is decoded (bit path /
-// table path) is described above decode_word.
+// the S K-splits by the caller (jax_fp4/primitives.py), or x's dtype when S = 1. Each
+// weight element is decoded to the value the reference gives it (float32 value, rounded
+// to x's dtype to nearest even) inside the main loop -- no dequantized weight reaches
+// HBM -- and multiplied on the tensor cores (float32 accumulation). How it is decoded
+// (bit path / table path) is described above decode_word.
 //
-// Tiling. The weight plays the MMA's A operand (16 rows x 16 k, row-major = (N, K)
-// storage) and the activations its B operand (16 k x 8 m), so decode (M = 1..64) uses the
-// tensor cores at any M. A CTA is 4 warps; each warp owns 2 tiles of 16 weight rows
-// (lane (g, t) = (lane / 4, lane % 4): rows g and g + 8 of each) and all M of its CTA.
-// The MMA sums over k, so any k order works if A and B agree: a lane loads 32 contiguous
-// k of a row as one 16-byte chunk and feeds them as its fragment's k slots; the
-// activations are fed in the same order. Two kernels: the staged kernel (M > 16; x staged
-// per 128-k super-step in shared memory) and the direct kernel (M <= 16; x read from
-// global memory): see their comments. grid.z splits K so that small-N shapes still fill
-// the GPU; the S partial sums leave as float32.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
+// Tiling. The weight plays the MMA's A operand (16 rows x 16 k per warp, row-major =
+// (N, K) storage) and the activations its B operand, so decode (M = 1) uses the tensor
+// cores too. Lane (g, t) = (lane / 4, lane % 4) holds rows g and g + 8 of each of its
+// 16-row tiles. The MMA sums over k, so any k order works if A and B agree: a lane loads
+// 32 contiguous k of a row as one 16-byte chunk and feeds them as its fragment's k
+// slots; the activations are fed in the same order. Three kernels, see their comments:
+// the direct kernel (mma.sync, M <= 16, x read from global memory), the staged kernel
+// (mma.sync, M > 16, x staged in shared memory) and the wgmma kernel (sm_90a, chosen by
+// the caller through `tile_m`, x pre-permuted by the caller and staged by the tensor
+// memory accelerator). grid.z splits K so that small-N shapes still fill the GPU.
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
@@ -1146,6 +1144,9 @@ ffi::Error WMatmulImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer cod
                               ") for K = " + std::to_string(K) + " and tile_m = " +
                               std::to_string(tile_m) + ", got shape " + dims_str(x.dimensions()));
   const int64_t M = x.dimensions()[0];
+  if (tile_m > 0 && M >= (int64_t{1} << 31))
+    return invalid(where, "the wgmma kernel (tile_m > 0) needs M < 2^31, got M = " +
+                              std::to_string(M));
   Problem p;
   JF4_RETURN_IF_ERROR(validate_problem(where, fmt, block_size, 0, two_level,
                                        codes.dimensions()[0], K, &p));
