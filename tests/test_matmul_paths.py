@@ -129,3 +129,34 @@ def test_scaled_matmul_operands_errors():
         jf.scaled_matmul_operands(q)
     with pytest.raises(TypeError):
         jf.scaled_matmul_operands(jnp.ones((4, 64)))
+
+
+@pytest.mark.parametrize("bit_path", [True, False])
+def test_wmatmul_x_layout(bit_path):
+    """The wgmma kernel's activation order (csrc/cuda/wmatmul.cu): block position
+    32 s2 + 16 hh + 8 sec + 2 tt + e holds element 32 tt + 8 s2 + 4 e + 2 hh + sec (bit
+    path) or 32 tt + 8 s2 + 4 hh + 2 sec + e (table path) of its 128-k block; K is
+    zero-padded to a multiple of 128."""
+    m, k = 3, 160
+    x = (jnp.arange(m * k, dtype=jnp.float32).reshape(m, k) + 1).astype(jnp.bfloat16)
+    y = np.asarray(primitives.wmatmul_x_layout(x, bit_path), np.float32)
+    assert y.shape == (m, 256)
+    xp = np.zeros((m, 256), np.float32)
+    xp[:, :k] = np.asarray(x, np.float32)
+    for pos in range(256):
+        blk, q = divmod(pos, 128)
+        s2, hh, sec, tt, e = q // 32, q // 16 % 2, q // 8 % 2, q // 2 % 4, q % 2
+        src = 32 * tt + 8 * s2 + (4 * e + 2 * hh + sec if bit_path else 4 * hh + 2 * sec + e)
+        np.testing.assert_array_equal(y[:, pos], xp[:, 128 * blk + src], err_msg=str(pos))
+
+
+def test_wmatmul_bit_path_rule():
+    """The Python mirror of the kernel's use_bit_path (it picks the activation order)."""
+    bf16, f16 = jnp.bfloat16, jnp.float16
+    assert primitives.wmatmul_bit_path("nvfp4", bf16, False, np.uint8)
+    assert not primitives.wmatmul_bit_path("nvfp4", bf16, True, np.uint8)
+    assert primitives.wmatmul_bit_path("mxfp4", bf16, False, np.uint8)
+    assert not primitives.wmatmul_bit_path("mxfp4", f16, False, np.uint8)
+    assert primitives.wmatmul_bit_path("int4", f16, False, f16)
+    assert not primitives.wmatmul_bit_path("int4", bf16, False, np.float32)
+    assert not primitives.wmatmul_bit_path("nf4", bf16, False, np.float32)
