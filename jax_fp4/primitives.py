@@ -547,15 +547,15 @@ def _wmatmul_fused(x, codes, scales, zeros, ts, *, fmt, block_size, two_level, o
     m, k = x.shape
     tile_m = wmatmul_tile_m(m)
     splits = wmatmul_splits(m, codes.shape[0], k, tile_m=tile_m)
-    direct = splits == 1 and np.dtype(out_dtype) in (np.dtype(x.dtype), np.dtype(np.float32))
+    final = splits == 1 and np.dtype(out_dtype) in (np.dtype(x.dtype), np.dtype(np.float32))
     if tile_m:
         x = wmatmul_x_layout(x, wmatmul_bit_path(fmt, x.dtype, two_level, scales.dtype))
     part = jax.ffi.ffi_call(
         _FUSED_TARGET,
-        jax.ShapeDtypeStruct((splits, m, codes.shape[0]), out_dtype if direct else jnp.float32))(
+        jax.ShapeDtypeStruct((splits, m, codes.shape[0]), out_dtype if final else jnp.float32))(
         x, codes, scales, zeros, ts, **_attrs(fmt, block_size, two_level=two_level),
         splits=np.int64(splits), tile_m=np.int64(tile_m))
-    return part[0] if direct else part.sum(0).astype(out_dtype)
+    return part[0] if final else part.sum(0).astype(out_dtype)
 
 
 _def_impl(wmatmul_p)
