@@ -87,6 +87,12 @@ struct Rows {
   int64_t n0;
 };
 
+// The super-steps [begin, end) of this CTA's K-split (grid.z).
+__device__ __forceinline__ void split_steps(const WParams& p, int* begin, int* end) {
+  *begin = static_cast<int>(blockIdx.z * p.steps_per_split);
+  *end = static_cast<int>(min(*begin + p.steps_per_split, p.n_steps));
+}
+
 template <int FMT>
 __device__ float code_value(uint32_t c) {
   if constexpr (FMT == kINT4) return static_cast<float>(c);
@@ -534,8 +540,8 @@ __global__ void __launch_bounds__(kWarps * 32) wmatmul_kernel(
   float tsv[kRowTiles][2];
   load_tensor_scales(ts, n_warp + g, p, tsv);
 
-  const int step_begin = static_cast<int>(blockIdx.z * p.steps_per_split);
-  const int step_end = static_cast<int>(min(step_begin + p.steps_per_split, p.n_steps));
+  int step_begin, step_end;
+  split_steps(p, &step_begin, &step_end);
 
   float acc[kRowTiles][MT][4];
 #pragma unroll
@@ -653,8 +659,8 @@ __global__ void __launch_bounds__(kWarps * 32, 4) wmatmul_direct_kernel(
     const int64_t m = 8 * mt + g;
     xrow[mt] = x + (m < p.M ? m : p.M - 1) * p.K;
   }
-  const int step_begin = static_cast<int>(blockIdx.z * p.steps_per_split);
-  const int step_end = static_cast<int>(min(step_begin + p.steps_per_split, p.n_steps));
+  int step_begin, step_end;
+  split_steps(p, &step_begin, &step_end);
 
   float acc[kRowTiles][MT][4];
 #pragma unroll
@@ -855,8 +861,8 @@ __global__ void __launch_bounds__(kWgThreads, BN >= 128 ? 1 : 2) wmatmul_wgmma_k
   }
   const bool rows_inside = n_warp + 16 <= p.N;
 
-  const int step_begin = static_cast<int>(blockIdx.z * p.steps_per_split);
-  const int step_end = static_cast<int>(min(step_begin + p.steps_per_split, p.n_steps));
+  int step_begin, step_end;
+  split_steps(p, &step_begin, &step_end);
 
   // thread 0: step's activation tile -> its stage (two 64-k boxes), arriving on full[]
   auto stage_x = [&](int step) {
