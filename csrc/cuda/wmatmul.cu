@@ -468,11 +468,20 @@ __device__ __forceinline__ uint32_t word_of(const uint4& q, int s2) {
   return s2 == 0 ? q.x : s2 == 1 ? q.y : s2 == 2 ? q.z : q.w;
 }
 
-// The per-tensor scale of each of a lane's rows n0 + 16 rt + 8 h (1 without one).
+// Accumulators start at zero.
+template <int N>
+__device__ __forceinline__ void zero(float* a) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) a[i] = 0.0f;
+}
+
+// The per-tensor scale of each of a lane's rows n0 + 16 rt + 8 h, rt < TILES (1 without
+// one).
+template <int TILES = kRowTiles>
 __device__ __forceinline__ void load_tensor_scales(const float* __restrict__ ts, int64_t n0,
                                                    const WParams& p, float (*tsv)[2]) {
 #pragma unroll
-  for (int rt = 0; rt < kRowTiles; ++rt)
+  for (int rt = 0; rt < TILES; ++rt)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int64_t n = n0 + rt * 16 + h * 8;
@@ -544,12 +553,7 @@ __global__ void __launch_bounds__(kWarps * 32) wmatmul_kernel(
   split_steps(p, &step_begin, &step_end);
 
   float acc[kRowTiles][MT][4];
-#pragma unroll
-  for (int rt = 0; rt < kRowTiles; ++rt)
-#pragma unroll
-    for (int j = 0; j < MT; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[rt][j][e] = 0.0f;
+  zero<kRowTiles * MT * 4>(&acc[0][0][0]);
 
   Chunk next[kRowTiles][2];
   if (step_begin < step_end) {
@@ -663,12 +667,7 @@ __global__ void __launch_bounds__(kWarps * 32, 4) wmatmul_direct_kernel(
   split_steps(p, &step_begin, &step_end);
 
   float acc[kRowTiles][MT][4];
-#pragma unroll
-  for (int rt = 0; rt < kRowTiles; ++rt)
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[rt][mt][e] = 0.0f;
+  zero<kRowTiles * MT * 4>(&acc[0][0][0]);
 
   const int lane_k = 32 * kDirectL * t;  // the lane's first k in a step
   const bool rows_inside = n_warp + kRowTiles * 16 <= p.N;
@@ -853,12 +852,8 @@ __global__ void __launch_bounds__(kWgThreads, BN >= 128 ? 1 : 2) wmatmul_wgmma_k
 
   const int64_t n_warp = n_cta + (warp >> 2) * 64 + (warp & 3) * 16;
   const Rows rows = make_rows<FMT>(codes, scales, zeros, n_warp + g, p);
-  float tsv[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int64_t n = n_warp + g + 8 * h;
-    tsv[h] = p.two_level ? __ldg(ts + (n < p.N ? n : p.N - 1)) : 1.0f;
-  }
+  float tsv[1][2];  // one 16-row tile per warp
+  load_tensor_scales<1>(ts, n_warp + g, p, tsv);
   const bool rows_inside = n_warp + 16 <= p.N;
 
   int step_begin, step_end;
@@ -890,8 +885,7 @@ __global__ void __launch_bounds__(kWgThreads, BN >= 128 ? 1 : 2) wmatmul_wgmma_k
   };
 
   float acc[BN / 2];
-#pragma unroll
-  for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
+  zero<BN / 2>(acc);
 
   __syncthreads();  // barriers initialised (and the decode table filled)
   if (tid == 0) {
@@ -911,7 +905,7 @@ __global__ void __launch_bounds__(kWgThreads, BN >= 128 ? 1 : 2) wmatmul_wgmma_k
 
     Dec d[2][2];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) make_decs<FMT, BF16, BITS>(cur[h], tsv[h], p, d[h]);
+    for (int h = 0; h < 2; ++h) make_decs<FMT, BF16, BITS>(cur[h], tsv[0][h], p, d[h]);
     const int js = (step - step_begin) % kStages;
     const uint32_t stage_addr = smem_addr + js * wg_stage_bytes<BN>();
     // groups of kWords code words: decode them (A of 2 kWords wgmmas), issue the
