@@ -102,18 +102,22 @@ __device__ float code_value(uint32_t c) {
 
 // Weight loads: codes, scales and zero points are read once, so they do not allocate in
 // L1 (ld.global.nc.L1::no_allocate), which keeps L1 for the activations that every warp of
-// the SM re-reads. `valid` false gives 0 without touching memory.
+// the SM re-reads. `valid` false gives 0 without touching memory. The 16-byte code loads
+// ask L2 to fetch the whole 128-byte line (PTX .L2::128B prefetch size): the wgmma kernel
+// reads 64 bytes of a row per step, and the line brings the next step's half with it
+// (nvfp4 8192 x 28672, M = 16: 83 -> 73 us; the direct kernel, which reads whole lines,
+// and the scale loads did not change; benchmarks/NOTES.md).
 template <bool CHECK>  // CHECK = false: the caller knows the load is in bounds
 __device__ __forceinline__ uint4 ld_weight16(const void* ptr, bool valid) {
   uint4 v;
   if constexpr (CHECK)
     asm("{\n .reg .pred p;\n setp.ne.b32 p, %5, 0;\n"
         " mov.b32 %0, 0; mov.b32 %1, 0; mov.b32 %2, 0; mov.b32 %3, 0;\n"
-        " @p ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n}\n"
+        " @p ld.global.nc.L1::no_allocate.L2::128B.v4.u32 {%0, %1, %2, %3}, [%4];\n}\n"
         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
         : "l"(ptr), "r"(static_cast<int>(valid)));
   else
-    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+    asm("ld.global.nc.L1::no_allocate.L2::128B.v4.u32 {%0, %1, %2, %3}, [%4];\n"
         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(ptr));
   return v;
 }
@@ -745,21 +749,33 @@ __global__ void __launch_bounds__(kWarps * 32, 4) wmatmul_direct_kernel(
 //
 // Pipeline. The tensor memory accelerator copies each step's BN x 128 activation tile
 // (two 64-k boxes, zero past M) into the 128-byte-swizzled K-major layout that the wgmma
-// descriptor names, completing on the stage's mbarrier; wg_stages<BN> stages. A
+// descriptor names, completing on the stage's `full` mbarrier; wg_stages<BN> stages. A
 // warpgroup keeps one wgmma group in flight across steps, so the stage of step s - 1
-// may still be read during step s: after the barrier at the top of step s (by which both
-// warpgroups have finished with step s - 2), thread 0 issues the copy for step
-// s + stages - 2 into the stage of step s - 2. The weight chunks are loaded into
-// registers one step ahead. The epilogue moves the accumulators through shared memory
-// so that each warp stores whole rows of the output.
+// may still be read during step s. Thread 0 refills the stages in one of two ways
+// (wg_lockstep<BN>, chosen by measurement):
+//  - release (BN <= 128): once a warp's first wgmma group of step s is issued and the
+//    group before it done, the warp is done with step s - 1 and arrives on that stage's
+//    `empty` mbarrier; thread 0 waits for all eight, then copies step s - 1 + stages
+//    into it. No CTA barrier: the warpgroups drift apart, and the copies run up to
+//    stages - 1 steps ahead (M = 16..128: 4-14% faster than lockstep).
+//  - lockstep (BN = 256): a CTA barrier at the top of step s (by which both warpgroups
+//    have finished with step s - 2), then thread 0 copies step s + stages - 2 into the
+//    stage of step s - 2 (M = 256..1024: release was 6-12% slower here).
+// The weight chunks are loaded into registers wg_depth<BN> steps ahead. The epilogue
+// moves the accumulators through shared memory so that each warp stores whole rows of
+// the output.
 constexpr int kWgThreads = 256;
 constexpr int kWgRows = 128;   // weight rows per CTA
 constexpr int kWgStepK = 128;  // k per step
 constexpr int kWgGroupM = 8;   // CTA raster: kWgGroupM activation tiles per weight tile run
 constexpr int kOutStride = kWgRows + 4;  // epilogue floats per activation row (no conflicts)
 
-template <int BN>  // 4 stages (2 steps ahead) where they fit, else 3
+template <int BN>  // 4 stages where they fit, else 3
 __host__ __device__ constexpr int wg_stages() { return BN >= 256 ? 3 : 4; }
+template <int BN>  // steps of weight chunks loaded ahead (2 where registers allow: M = 16
+__host__ __device__ constexpr int wg_depth() { return BN >= 128 ? 1 : 2; }  // 5-8% faster)
+template <int BN>  // how the stages are refilled (see Pipeline above)
+__host__ __device__ constexpr bool wg_lockstep() { return BN >= 256; }
 template <int BN>  // code words (of each of a lane's two rows) decoded per wgmma group:
 __host__ __device__ constexpr int wg_words() { return BN >= 256 ? 1 : 2; }
 template <int BN>
@@ -815,16 +831,19 @@ __global__ void __launch_bounds__(kWgThreads, BN >= 128 ? 1 : 2) wmatmul_wgmma_k
     const void* __restrict__ scales, const uint8_t* __restrict__ zeros,
     const float* __restrict__ ts, void* __restrict__ out, const WParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr int kStages = wg_stages<BN>(), kAhead = kStages - 2;
+  constexpr int kStages = wg_stages<BN>();
+  constexpr bool kLockstep = wg_lockstep<BN>();
   constexpr int kWords = wg_words<BN>();
   constexpr int kPipe = kStages * wg_stage_bytes<BN>();
   constexpr int kEpi = BN * kOutStride * 4;
   extern __shared__ uint8_t smem_raw[];
-  __shared__ __align__(8) uint64_t full[kStages];  // stage s holds its step's activations
+  __shared__ __align__(8) uint64_t full[kStages];   // stage j holds its step's activations
+  __shared__ __align__(8) uint64_t empty[kStages];  // every warp is done with stage j (release)
   const uint32_t raw_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
   uint8_t* smem = smem_raw + (((raw_addr + 1023u) & ~1023u) - raw_addr);  // 1024-aligned
   const uint32_t smem_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   const uint32_t full_addr = static_cast<uint32_t>(__cvta_generic_to_shared(full));
+  const uint32_t empty_addr = static_cast<uint32_t>(__cvta_generic_to_shared(empty));
   float2* table = reinterpret_cast<float2*>(smem + (kPipe > kEpi ? kPipe : kEpi));
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -833,8 +852,11 @@ __global__ void __launch_bounds__(kWgThreads, BN >= 128 ? 1 : 2) wmatmul_wgmma_k
   if constexpr (!BITS) fill_table<FMT, kStagedCopies>(table, tid, kWgThreads);
   if (tid == 0) {
 #pragma unroll
-    for (int i = 0; i < kStages; ++i)
+    for (int i = 0; i < kStages; ++i) {
       asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(full_addr + 8 * i));
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(empty_addr + 8 * i),
+                   "n"(kWgThreads / 32));
+    }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
 
@@ -889,25 +911,35 @@ __global__ void __launch_bounds__(kWgThreads, BN >= 128 ? 1 : 2) wmatmul_wgmma_k
 
   __syncthreads();  // barriers initialised (and the decode table filled)
   if (tid == 0) {
-    for (int i = 0; i < kAhead; ++i)
+    for (int i = 0; i < (kLockstep ? kStages - 2 : kStages); ++i)
       if (step_begin + i < step_end) stage_x(step_begin + i);
   }
-  Chunk nxt[2];
-  if (step_begin < step_end) load_step(nxt, step_begin);
+  // the weight chunks of the next kDepth steps, in a ring indexed at compile time (the
+  // step loop is unrolled kDepth times, so no register move waits on a load early)
+  constexpr int kDepth = wg_depth<BN>();
+  Chunk ring[kDepth][2];
+#pragma unroll
+  for (int i = 0; i < kDepth; ++i)
+    if (step_begin + i < step_end) load_step(ring[i], step_begin + i);
 
-  for (int step = step_begin; step < step_end; ++step) {
-    const Chunk cur[2] = {nxt[0], nxt[1]};
-    if (step + 1 < step_end) load_step(nxt, step + 1);
-    // each warpgroup has at most the last wgmma group of step - 1 in flight (wait<1>
-    // below), so the stage of step - 2 is free
-    __syncthreads();
-    if (tid == 0 && step + kAhead < step_end) stage_x(step + kAhead);
-
+  for (int s0 = step_begin; s0 < step_end; s0 += kDepth)
+#pragma unroll
+  for (int u = 0; u < kDepth; ++u) {
+    const int step = s0 + u;
+    if (step >= step_end) break;
+    const Chunk cur[2] = {ring[u][0], ring[u][1]};
+    if (step + kDepth < step_end) load_step(ring[u], step + kDepth);
+    if constexpr (kLockstep) {
+      __syncthreads();
+      if (tid == 0 && step + kStages - 2 < step_end) stage_x(step + kStages - 2);
+    }
     Dec d[2][2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) make_decs<FMT, BF16, BITS>(cur[h], tsv[0][h], p, d[h]);
     const int js = (step - step_begin) % kStages;
-    const uint32_t stage_addr = smem_addr + js * wg_stage_bytes<BN>();
+    // descriptor of the stage; a k16 slice adds its byte offset / 16 to the address field
+    // (addresses stay below 2^18, so the 14-bit field never carries)
+    const uint64_t desc = sw128_desc(smem_addr + js * wg_stage_bytes<BN>());
     // groups of kWords code words: decode them (A of 2 kWords wgmmas), issue the
     // wgmmas as one group, then wait for the group before. One group in flight, not
     // more: the next step rewrites this step's A registers (the same PTX registers in
@@ -938,10 +970,21 @@ __global__ void __launch_bounds__(kWgThreads, BN >= 128 ? 1 : 2) wmatmul_wgmma_k
 #pragma unroll
       for (int i = 0; i < 2 * kWords; ++i) {
         const int ks = 2 * w0 + i;  // k16 slice of the step: atom ks / 4, 32 B each
-        wgmma_rs<BN, BF16>(acc, a[i], sw128_desc(stage_addr + (ks >> 2) * BN * 128 + (ks & 3) * 32));
+        wgmma_rs<BN, BF16>(acc, a[i], desc + (((ks >> 2) * BN * 128 + (ks & 3) * 32) >> 4));
       }
       wgmma_commit();
       wgmma_wait<1>();
+      if (!kLockstep && w0 == 0 && step > step_begin) {
+        // this warp is done with step - 1 (only the group just issued is in flight):
+        // release its stage; thread 0 refills it once every warp has
+        const int done = step - 1 - step_begin, jp = done % kStages;
+        if (lane == 0)
+          asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(empty_addr + 8 * jp) : "memory");
+        if (tid == 0 && step - 1 + kStages < step_end) {
+          mbar_wait(empty_addr + 8 * jp, static_cast<uint32_t>(done / kStages) & 1u);
+          stage_x(step - 1 + kStages);
+        }
+      }
     }
   }
   wgmma_wait<0>();
