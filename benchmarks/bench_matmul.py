@@ -176,8 +176,10 @@ def main(argv=None):
     table += "".join(f"| {s} | {m} | {f} | {p} | {t:.1f} | {b:.1f} | {x:.2f} | {i:.2f} | "
                      f"{xr:.1f} | {fl:.0f} |\n".replace("nan", "-")
                      for s, m, f, p, t, b, x, i, xr, fl in w_rows)
-    table += ("\n| M x N x K | A x B | time (us) | TFLOP/s | % of bf16 jnp.dot | bf16 TFLOP/s | "
-              "x vs jax.nn.scaled_dot_general |\n|---|---|---:|---:|---:|---:|---:|\n")
+    if s_rows:  # --scaled with no sizes: no block-scaled table
+        table += ("\n| M x N x K | A x B | time (us) | TFLOP/s | % of bf16 jnp.dot | "
+                  "bf16 TFLOP/s | x vs jax.nn.scaled_dot_general |\n"
+                  "|---|---|---:|---:|---:|---:|---:|\n")
     table += "".join(f"| {s} | {f} | {t:.1f} | {tf:.0f} | {p:.1f} | {bt:.0f} | {xs:.2f} |\n"
                      .replace("nan", "-") for s, f, t, tf, p, bt, xs in s_rows)
     print("\n" + note + table)
