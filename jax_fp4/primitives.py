@@ -419,9 +419,11 @@ def _wmatmul_transpose(ct, x, codes, scales, zeros, ts, **params):
 
 # Fused W4A16 CUDA kernel (csrc/cuda/wmatmul.cu) and the size rule, measured on an H100
 # (benchmarks/RESULTS.md, 2026-11-23, device time, nvfp4 8192 x 28672 / 28672 x 8192):
-# - M <= 8: the direct (mma.sync) kernel: 64-78 us; the wgmma kernel takes 84 us there.
-# - 9 <= M <= FUSED_MAX_M_WGMMA on sm_90a: the wgmma kernel (M = 16: 84-85 us against
-#   90-101 us direct; M = 2048: 1.29-1.35 ms against 1.35-1.45 ms for dequantize + dot).
+# - M <= 8: the direct (mma.sync) kernel: 60-69 us; the wgmma kernel ties at M = 8 for
+#   nvfp4 (59-67 us) but is slower below 8 rows and for the other formats (mxfp4 /
+#   int4 / nf4 at M = 8: 64-93 us direct, 87-137 us wgmma).
+# - 9 <= M <= FUSED_MAX_M_WGMMA on sm_90a: the wgmma kernel (M = 16: 63-66 us against
+#   90-100 us direct; M = 2048: 1.29-1.35 ms against 1.35-1.45 ms for dequantize + dot).
 # - larger M: the CUDA dequantize kernel + XLA's (cuBLAS) bf16 dot (M = 4096: 2.49-2.65
 #   ms against 2.61-2.75 ms fused).
 # - without wgmma (other GPUs, or a build without sm_90a): the mma.sync kernels up to
