@@ -64,6 +64,40 @@ def _check(got, x, w, what, out_dtype=None):
                            f"rounding, e.g. got {got[bad][:4]} want {exact[bad][:4]}")
 
 
+def _check_fused(fmt, bs, kw, dtype, m, k, n, family, rng, splits=None):
+    """One fused matmul (float32 and x-dtype output) against the reference decode;
+    `splits`: the K-splits the lowering must have chosen (None: any)."""
+    k = _k_for(k, bs)
+    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    w = (rng.standard_normal((k, n)) * 10.0 ** rng.integers(-3, 3, size=(1, n))).astype(np.float32)
+    q = jf.quantize(jax.device_put(jnp.asarray(w), _cpu()), fmt, axis=0, block_size=bs, **kw)
+    jf.set_backend("reference")
+    try:  # the weight as the reference decodes it for W4A16: float32, rounded to x.dtype
+        w_ref = np.asarray(jax.jit(lambda q: q.dequantize(dtype))(q)).astype(np.float32)
+    finally:
+        jf.set_backend("auto")
+    qg, xg = jax.device_put(q, _gpu()), jax.device_put(x, _gpu())
+    f32 = jax.jit(lambda x, q: jf.dot_general(x, q, (((1,), (0,)), ((), ())),
+                                              preferred_element_type=jnp.float32))
+    text = f32.lower(xg, qg).as_text()
+    assert "jax_fp4_wmatmul_v1" in text, f"{fmt} M={m} K={k}: fused kernel not used"
+    want_tile = primitives.wmatmul_tile_m(m)
+    assert f"tile_m = {want_tile} " in text, (m, want_tile)
+    assert (want_tile > 0) == (family == "wgmma" and m >= primitives._WGMMA_MIN_M), m
+    if splits is not None:
+        assert f"splits = {splits} " in text, (m, k, splits)
+    what = f"{fmt} {kw} {dtype.__name__} M={m} K={k} N={n} splits={splits}"
+    _check(f32(xg, qg), np.asarray(x, np.float32), w_ref, what)
+    # x's dtype out: the float32 sum rounded once. (Not compared bit for bit with the
+    # float32 program's result cast: XLA may add the K-split partials in another order
+    # when it fuses the cast, which moves results with cancellation by ulps.)
+    y = jax.jit(lambda x, q: jf.dot_general(x, q, (((1,), (0,)), ((), ())),
+                                            preferred_element_type=dtype))(xg, qg)
+    assert y.dtype == np.dtype(dtype)
+    _check(np.asarray(y, np.float32), np.asarray(x, np.float32), w_ref,
+           f"{what} ({dtype.__name__} out)", dtype)
+
+
 @pytest.mark.parametrize("family", ["wgmma", "mma"])
 @pytest.mark.parametrize("fmt,bs,kw,dtype", W_CASES, ids=str)
 def test_fused_wmatmul_matches_reference(fmt, bs, kw, dtype, family, rng, monkeypatch):
@@ -78,33 +112,25 @@ def test_fused_wmatmul_matches_reference(fmt, bs, kw, dtype, family, rng, monkey
     for m, k, n in SHAPES:
         if family == "mma" and m < primitives._WGMMA_MIN_M:
             continue  # the same direct kernel as the wgmma family
-        k = _k_for(k, bs)
-        x = jnp.asarray(rng.standard_normal((m, k)), dtype)
-        w = (rng.standard_normal((k, n)) * 10.0 ** rng.integers(-3, 3, size=(1, n))).astype(np.float32)
-        q = jf.quantize(jax.device_put(jnp.asarray(w), _cpu()), fmt, axis=0, block_size=bs, **kw)
-        jf.set_backend("reference")
-        try:  # the weight as the reference decodes it for W4A16: float32, rounded to x.dtype
-            w_ref = np.asarray(jax.jit(lambda q: q.dequantize(dtype))(q)).astype(np.float32)
-        finally:
-            jf.set_backend("auto")
-        qg, xg = jax.device_put(q, _gpu()), jax.device_put(x, _gpu())
-        f32 = jax.jit(lambda x, q: jf.dot_general(x, q, (((1,), (0,)), ((), ())),
-                                                  preferred_element_type=jnp.float32))
-        text = f32.lower(xg, qg).as_text()
-        assert "jax_fp4_wmatmul_v1" in text, f"{fmt} M={m} K={k}: fused kernel not used"
-        want_tile = primitives.wmatmul_tile_m(m)
-        assert f"tile_m = {want_tile} " in text, (m, want_tile)
-        assert (want_tile > 0) == (family == "wgmma" and m >= primitives._WGMMA_MIN_M), m
-        _check(f32(xg, qg), np.asarray(x, np.float32), w_ref, f"{fmt} {kw} {dtype.__name__} "
-               f"M={m} K={k} N={n}")
-        # x's dtype out: the float32 sum rounded once. (Not compared bit for bit with the
-        # float32 program's result cast: XLA may add the K-split partials in another order
-        # when it fuses the cast, which moves results with cancellation by ulps.)
-        y = jax.jit(lambda x, q: jf.dot_general(x, q, (((1,), (0,)), ((), ())),
-                                                preferred_element_type=dtype))(xg, qg)
-        assert y.dtype == np.dtype(dtype)
-        _check(np.asarray(y, np.float32), np.asarray(x, np.float32), w_ref,
-               f"{fmt} {kw} {dtype.__name__} M={m} K={k} N={n} ({dtype.__name__} out)", dtype)
+        _check_fused(fmt, bs, kw, dtype, m, k, n, family, rng)
+
+
+# The size rule gives the wgmma kernel K-splits only for >= 16 steps per split, which the
+# small shapes above never reach; the big-shape benchmarks run S = 2 and 4. Forced here:
+# K = 1056 is 9 steps of 128, so S = 2 / 4 / 5 split them 5+4 / 3+3+3+0 (an empty split)
+# / 2+2+2+2+1, at each tile width (BN = 32 / 64 / 128 with the stage release, 256 in
+# lockstep) and through the bit and table decode paths.
+@pytest.mark.parametrize("splits", [2, 4, 5])
+@pytest.mark.parametrize("fmt,bs,kw,dtype", [W_CASES[0], W_CASES[1], W_CASES[3], W_CASES[7]],
+                         ids=str)
+def test_fused_wgmma_k_splits(fmt, bs, kw, dtype, splits, rng, monkeypatch):
+    assert jf.capabilities()["kernels"]["cuda"], jf.capabilities()["load_error"]
+    if not primitives.wgmma_available():
+        pytest.skip("the wgmma kernel needs a compute capability 9.0 GPU and an sm_90a build")
+    monkeypatch.setattr(primitives, "FUSED_MAX_M", 1 << 30)
+    monkeypatch.setattr(primitives, "wmatmul_splits", lambda *a, **k: splits)
+    for m in (17, 33, 100, 300):
+        _check_fused(fmt, bs, kw, dtype, m, 1056, 200, "wgmma", rng, splits)
 
 
 def test_fused_wmatmul_nonfinite_and_vmap(rng):
