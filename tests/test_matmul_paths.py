@@ -74,14 +74,21 @@ def test_wmatmul_splits_rule(wgmma):
     assert primitives.wmatmul_splits(256, 28672, 8192, sms=132) == 1
 
 
-def test_fused_wmatmul_size_rule():
+
+@pytest.mark.parametrize("wgmma", [False, True])
+def test_fused_wmatmul_size_rule(wgmma, monkeypatch):
+    """Fused up to FUSED_MAX_M, or FUSED_MAX_M_WGMMA where the wgmma kernel runs (pinned
+    either way, so the test means the same on every machine)."""
+    monkeypatch.setattr(primitives, "wgmma_available", lambda: wgmma)
+
     def avals(m, k, dtype=jnp.bfloat16):
         return (jax.core.ShapedArray((m, k), dtype), jax.core.ShapedArray((64, k // 2), np.uint8))
 
     ok = primitives.fused_wmatmul_applies
+    max_m = primitives.FUSED_MAX_M_WGMMA if wgmma else primitives.FUSED_MAX_M
     assert ok(avals(1, 256), dict(fmt="nvfp4", block_size=16))
-    assert ok(avals(primitives.FUSED_MAX_M, 256), dict(fmt="int4", block_size=128))
-    assert not ok(avals(primitives.FUSED_MAX_M + 1, 256), dict(fmt="nvfp4", block_size=16))
+    assert ok(avals(max_m, 256), dict(fmt="int4", block_size=128))
+    assert not ok(avals(max_m + 1, 256), dict(fmt="nvfp4", block_size=16))
     assert not ok(avals(4, 256, jnp.float32), dict(fmt="nvfp4", block_size=16))
     assert not ok(avals(4, 48), dict(fmt="nvfp4", block_size=16))  # K % 32
     assert not ok(avals(4, 288), dict(fmt="int4", block_size=48))  # odd group size
