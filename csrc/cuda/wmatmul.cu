@@ -178,14 +178,15 @@ __device__ __forceinline__ Rows make_rows(const uint8_t* codes, const void* scal
 
 // Chunks past K (valid = false) load as zeros (codes 0 and scale bits 0 decode to a
 // finite value), and the activations there are zero, so they add nothing.
-// CHECK = false: the caller knows the chunk is inside K and the row inside N.
-template <int FMT, bool BITS, bool CHECK = true>
+// CHECK = false: the caller knows the chunk is inside K and the row inside N. CODES =
+// false: the scales (and zero points) only; the caller fills c.q (wgmma kernel: from the
+// stage the tensor memory accelerator filled).
+template <int FMT, bool BITS, bool CHECK = true, bool CODES = true>
 __device__ __forceinline__ void load_chunk(Chunk& c, const Rows& rs, int i, int k, bool kvalid,
                                            const WParams& p) {
   const bool valid = !CHECK || (kvalid && rs.n0 + 8 * i < p.N);
-  const uint8_t* codes = rs.codes + i * rs.code_stride;
   const uint8_t* scales = rs.scales + i * rs.scale_stride;
-  c.q = ld_weight16<CHECK>(codes + (k >> 1), valid);
+  if constexpr (CODES) c.q = ld_weight16<CHECK>(rs.codes + i * rs.code_stride + (k >> 1), valid);
   const int b = k >> p.bs_shift;  // the chunk's first block within the row
   c.s1 = c.z = 0;
   if constexpr (FMT == kNVFP4) {  // blocks of 16: both E4M3 scales in one 2-byte load
@@ -749,7 +750,11 @@ __global__ void __launch_bounds__(kWarps * 32, 4) wmatmul_direct_kernel(
 //
 // Pipeline. The tensor memory accelerator copies each step's BN x 128 activation tile
 // (two 64-k boxes, zero past M) into the 128-byte-swizzled K-major layout that the wgmma
-// descriptor names, completing on the stage's `full` mbarrier; wg_stages<BN> stages. A
+// descriptor names, and the step's weight codes (128 rows x 64 bytes, zero past N and K)
+// behind it, completing on the stage's `full` mbarrier; wg_stages<BN> stages. The copies
+// carry L2 hints: the codes, read once, are evicted first, the activations, which every
+// CTA re-reads, last (without them the codes pushed x out of L2 and the kernel read 31%
+// more DRAM bytes than the weight; benchmarks/NOTES.md, round 3). A
 // warpgroup keeps one wgmma group in flight across steps, so the stage of step s - 1
 // may still be read during step s. Thread 0 refills the stages in one of two ways
 // (wg_lockstep<BN>, chosen by measurement):
@@ -761,7 +766,11 @@ __global__ void __launch_bounds__(kWarps * 32, 4) wmatmul_direct_kernel(
 //  - lockstep (BN = 256): a CTA barrier at the top of step s (by which both warpgroups
 //    have finished with step s - 2), then thread 0 copies step s + stages - 2 into the
 //    stage of step s - 2 (M = 256..1024: release was 6-12% slower here).
-// The weight chunks are loaded into registers wg_depth<BN> steps ahead. The epilogue
+// Each lane reads its two 16-byte code chunks of a step from the stage (a warp reads 512
+// contiguous bytes) and loads the scales from global memory wg_depth<BN> steps ahead
+// into registers. (Against codes loaded by the lanes into registers: mxfp4, nf4, int4
+// 2-9% faster at M = 8..1024, nvfp4 within 2% at M <= 64 and 2-3% slower at M >= 256;
+// benchmarks/NOTES.md, round 3.) The epilogue
 // moves the accumulators through shared memory so that each warp stores whole rows of
 // the output.
 constexpr int kWgThreads = 256;
@@ -780,8 +789,15 @@ template <int BN>  // how the stages are refilled (see Pipeline above)
 __host__ __device__ constexpr bool wg_lockstep() { return BN >= 256; }
 template <int BN>  // code words (of each of a lane's two rows) decoded per wgmma group:
 __host__ __device__ constexpr int wg_words() { return BN >= 256 ? 1 : 2; }
-template <int BN>
-__host__ __device__ constexpr int wg_stage_bytes() { return BN * kWgStepK * 2; }
+// L2 cache policies (CUTLASS's CacheHintSm90): the activations, which every CTA re-reads,
+// stay; the weight codes, read once, go first
+constexpr uint64_t kEvictFirst = 0x12F0000000000000ull;
+constexpr uint64_t kEvictLast = 0x14F0000000000000ull;
+constexpr int kWgCodeBytes = kWgRows * kWgStepK / 2;  // a step's weight codes: 128 rows x 64 B
+template <int BN>  // a step's activation tile: BN rows x 128 k
+__host__ __device__ constexpr int wg_x_bytes() { return BN * kWgStepK * 2; }
+template <int BN>  // stage = [activation tile | weight codes]
+__host__ __device__ constexpr int wg_stage_bytes() { return wg_x_bytes<BN>() + kWgCodeBytes; }
 template <int BN, bool BITS>
 __host__ __device__ constexpr int wg_smem_bytes() {
   const int pipe = wg_stages<BN>() * wg_stage_bytes<BN>();
@@ -829,8 +845,8 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
 
 template <int FMT, bool BF16, bool BITS, int BN>
 __global__ void __launch_bounds__(kWgThreads, BN >= 128 ? 1 : 2) wmatmul_wgmma_kernel(
-    const __grid_constant__ CUtensorMap x_map, const uint8_t* __restrict__ codes,
-    const void* __restrict__ scales, const uint8_t* __restrict__ zeros,
+    const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap w_map,
+    const uint8_t* __restrict__ codes, const void* __restrict__ scales, const uint8_t* __restrict__ zeros,
     const float* __restrict__ ts, void* __restrict__ out, const WParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kStages = wg_stages<BN>();
@@ -874,7 +890,8 @@ __global__ void __launch_bounds__(kWgThreads, BN >= 128 ? 1 : 2) wmatmul_wgmma_k
   const int m0 = static_cast<int>((gm0 + rem % gsize) * BN);  // M < 2^31 (TMA coordinate)
   const int64_t n_cta = (rem / gsize) * kWgRows;
 
-  const int64_t n_warp = n_cta + (warp >> 2) * 64 + (warp & 3) * 16;
+  const int wrow = (warp >> 2) * 64 + (warp & 3) * 16 + g;  // lane's first row in the CTA
+  const int64_t n_warp = n_cta + wrow - g;
   const Rows rows = make_rows<FMT>(codes, scales, zeros, n_warp + g, p);
   float tsv[1][2];  // one 16-row tile per warp
   load_tensor_scales<1>(ts, n_warp + g, p, tsv);
@@ -883,28 +900,32 @@ __global__ void __launch_bounds__(kWgThreads, BN >= 128 ? 1 : 2) wmatmul_wgmma_k
   int step_begin, step_end;
   split_steps(p, &step_begin, &step_end);
 
-  // thread 0: step's activation tile -> its stage (two 64-k boxes), arriving on full[]
+  // thread 0: a step's activation tile (two 64-k boxes) and weight codes (128 rows x 64
+  // bytes, zero past N and K) -> its stage, arriving on full[]
   auto stage_x = [&](int step) {
     const int j = (step - step_begin) % kStages;
     const uint32_t bar = full_addr + 8 * j, dst = smem_addr + j * wg_stage_bytes<BN>();
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n"
                  ::"r"(bar), "r"(wg_stage_bytes<BN>()) : "memory");
 #pragma unroll
-    for (int kc = 0; kc < 2; ++kc)
+    for (int kc = 0; kc < 3; ++kc)
       asm volatile(
-          "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
-          " [%0], [%1, {%2, %3}], [%4];\n"
-          ::"r"(dst + kc * BN * 128), "l"(&x_map), "r"(step * kWgStepK + 64 * kc), "r"(m0),
-            "r"(bar) : "memory");
+          "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+          " [%0], [%1, {%2, %3}], [%4], %5;\n"
+          ::"r"(dst + kc * BN * 128), "l"(kc < 2 ? &x_map : &w_map),
+            "r"(kc < 2 ? step * kWgStepK + 64 * kc : step * (kWgStepK / 2)),
+            "r"(kc < 2 ? m0 : static_cast<int>(n_cta)), "r"(bar),
+            "l"(kc < 2 ? kEvictLast : kEvictFirst) : "memory");
   };
+  // the scales (and zero points) of a step; its codes come with the stage
   auto load_step = [&](Chunk (&c)[2], int step) {
     const int k = step * kWgStepK + 32 * t;
     if (rows_inside && (step + 1) * kWgStepK <= p.K32) {  // warp-uniform: no checks
 #pragma unroll
-      for (int h = 0; h < 2; ++h) load_chunk<FMT, BITS, false>(c[h], rows, h, k, true, p);
+      for (int h = 0; h < 2; ++h) load_chunk<FMT, BITS, false, false>(c[h], rows, h, k, true, p);
     } else {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) load_chunk<FMT, BITS>(c[h], rows, h, k, k < p.K32, p);
+      for (int h = 0; h < 2; ++h) load_chunk<FMT, BITS, true, false>(c[h], rows, h, k, k < p.K32, p);
     }
   };
 
@@ -916,8 +937,8 @@ __global__ void __launch_bounds__(kWgThreads, BN >= 128 ? 1 : 2) wmatmul_wgmma_k
     for (int i = 0; i < (kLockstep ? kStages - 2 : kStages); ++i)
       if (step_begin + i < step_end) stage_x(step_begin + i);
   }
-  // the weight chunks of the next kDepth steps, in a ring indexed at compile time (the
-  // step loop is unrolled kDepth times, so no register move waits on a load early)
+  // the scales of the next kDepth steps, in a ring indexed at compile time (the step loop
+  // is unrolled kDepth times, so no register move waits on a load early)
   constexpr int kDepth = wg_depth<BN>();
   Chunk ring[kDepth][2];
 #pragma unroll
@@ -929,7 +950,7 @@ __global__ void __launch_bounds__(kWgThreads, BN >= 128 ? 1 : 2) wmatmul_wgmma_k
   for (int u = 0; u < kDepth; ++u) {
     const int step = s0 + u;
     if (step >= step_end) break;
-    const Chunk cur[2] = {ring[u][0], ring[u][1]};
+    Chunk cur[2] = {ring[u][0], ring[u][1]};
     if (step + kDepth < step_end) load_step(ring[u], step + kDepth);
     if constexpr (kLockstep) {
       __syncthreads();
@@ -942,6 +963,12 @@ __global__ void __launch_bounds__(kWgThreads, BN >= 128 ? 1 : 2) wmatmul_wgmma_k
     // descriptor of the stage; a k16 slice adds its byte offset / 16 to the address field
     // (addresses stay below 2^18, so the 14-bit field never carries)
     const uint64_t desc = sw128_desc(smem_addr + js * wg_stage_bytes<BN>());
+    mbar_wait(full_addr + 8 * js, static_cast<uint32_t>((step - step_begin) / kStages) & 1u);
+    // the lane's code chunks: rows wrow and wrow + 8, k [32 t, 32 t + 32) (a warp reads 512
+    // contiguous bytes: no bank conflicts)
+    const uint8_t* wc = smem + js * wg_stage_bytes<BN>() + wg_x_bytes<BN>() + wrow * 64 + 16 * t;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) cur[h].q = *reinterpret_cast<const uint4*>(wc + h * 8 * 64);
     // groups of kWords code words: decode them (A of 2 kWords wgmmas), issue the
     // wgmmas as one group, then wait for the group before. One group in flight, not
     // more: the next step rewrites this step's A registers (the same PTX registers in
@@ -965,8 +992,6 @@ __global__ void __launch_bounds__(kWgThreads, BN >= 128 ? 1 : 2) wmatmul_wgmma_k
           a[2 * w + hh][3] = r[1][2 * hh + 1];
         }
       }
-      if (w0 == 0)  // the step's activations have landed
-        mbar_wait(full_addr + 8 * js, static_cast<uint32_t>((step - step_begin) / kStages) & 1u);
       fence_regs<2 * kWords>(a);
       wgmma_fence();
 #pragma unroll
@@ -997,14 +1022,13 @@ __global__ void __launch_bounds__(kWgThreads, BN >= 128 ? 1 : 2) wmatmul_wgmma_k
   // warp's 16, activation row 8 j + 2 t + e)
   float* tile = reinterpret_cast<float*>(smem);
   const float scale = kAccScale<FMT, BF16, BITS>;
-  const int nl = (warp >> 2) * 64 + (warp & 3) * 16 + g;
 #pragma unroll
   for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
     for (int h = 0; h < 2; ++h)
 #pragma unroll
       for (int e = 0; e < 2; ++e)
-        tile[(8 * j + 2 * t + e) * kOutStride + nl + 8 * h] = acc[4 * j + 2 * h + e] * scale;
+        tile[(8 * j + 2 * t + e) * kOutStride + wrow + 8 * h] = acc[4 * j + 2 * h + e] * scale;
   __syncthreads();
   const int64_t z_off = static_cast<int64_t>(blockIdx.z) * p.M * p.N;
   for (int idx = tid; idx < BN * kWgRows; idx += kWgThreads) {
@@ -1050,11 +1074,13 @@ cudaError_t prepare_wgmma(Kernel kernel, int smem_bytes) {
   return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
 }
 
-// Tensor map of the permuted x (M, K128) for the activation tiles: boxes of 64 k x BN
-// rows, 128-byte swizzle, zero fill past M. cuTensorMapEncodeTiled comes from the driver
-// through the runtime (no libcuda link).
-cudaError_t x_tensor_map(CUtensorMap* map, const uint16_t* xp, bool bf16, const WParams& p,
-                         int bn) {
+// A 2-D tensor map over a row-major (rows, cols) array for tiles of box_rows x box_cols,
+// zero fill out of bounds. cuTensorMapEncodeTiled comes from the driver through the
+// runtime (no libcuda link).
+cudaError_t tensor_map_2d(CUtensorMap* map, CUtensorMapDataType type, const void* base,
+                          int64_t rows, int64_t cols, int64_t row_bytes, int box_rows,
+                          int box_cols, CUtensorMapSwizzle swizzle,
+                          CUtensorMapL2promotion promotion) {
   static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult q;
@@ -1065,14 +1091,13 @@ cudaError_t x_tensor_map(CUtensorMap* map, const uint16_t* xp, bool bf16, const 
     return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
   }();
   if (encode == nullptr) return cudaErrorNotSupported;
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(p.n_steps * kWgStepK),
-                              static_cast<cuuint64_t>(p.M)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(p.n_steps * kWgStepK * 2)};
-  const cuuint32_t box[2] = {64, static_cast<cuuint32_t>(bn)}, elem[2] = {1, 1};
-  const CUresult r = encode(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-                            2, const_cast<uint16_t*>(xp), dims, strides, box, elem,
-                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(row_bytes)};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t elem[2] = {1, 1};
+  const CUresult r = encode(map, type, 2, const_cast<void*>(base), dims, strides, box, elem,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, promotion,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
@@ -1084,12 +1109,22 @@ cudaError_t launch_wgmma(cudaStream_t stream, const uint16_t* xp, const uint8_t*
   constexpr int kSmem = wg_smem_bytes<BN, BITS>();
   static const cudaError_t ready = prepare_wgmma(kernel, kSmem);
   if (ready != cudaSuccess) return ready;
-  CUtensorMap map;
-  const cudaError_t e = x_tensor_map(&map, xp, BF16, p, BN);
+  // x permuted (M, K128): boxes of BN rows x 64 k into the 128-byte swizzle the wgmma
+  // descriptor names; codes (N, K / 2) bytes: boxes of 128 rows x 64 bytes (K % 32 == 0,
+  // so rows are 16-byte aligned)
+  CUtensorMap x_map, w_map;
+  const int64_t k128 = p.n_steps * kWgStepK;
+  cudaError_t e = tensor_map_2d(&x_map, BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                                xp, p.M, k128, 2 * k128, BN, 64, CU_TENSOR_MAP_SWIZZLE_128B,
+                                CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
+  if (e == cudaSuccess)
+    e = tensor_map_2d(&w_map, CU_TENSOR_MAP_DATA_TYPE_UINT8, cp, p.N, p.K / 2, p.K / 2, kWgRows,
+                      kWgStepK / 2, CU_TENSOR_MAP_SWIZZLE_NONE,
+                      CU_TENSOR_MAP_L2_PROMOTION_L2_128B);
   if (e != cudaSuccess) return e;
   const int64_t tiles = ((p.M + BN - 1) / BN) * ((p.N + kWgRows - 1) / kWgRows);
   const dim3 grid(static_cast<unsigned>(tiles), 1, static_cast<unsigned>(splits));
-  kernel<<<grid, kWgThreads, kSmem, stream>>>(map, cp, sp, zp, tp, out, p);
+  kernel<<<grid, kWgThreads, kSmem, stream>>>(x_map, w_map, cp, sp, zp, tp, out, p);
   return cudaGetLastError();
 }
 
@@ -1189,9 +1224,10 @@ ffi::Error WMatmulImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer cod
                               ") for K = " + std::to_string(K) + " and tile_m = " +
                               std::to_string(tile_m) + ", got shape " + dims_str(x.dimensions()));
   const int64_t M = x.dimensions()[0];
-  if (tile_m > 0 && M >= (int64_t{1} << 31))
-    return invalid(where, "the wgmma kernel (tile_m > 0) needs M < 2^31, got M = " +
-                              std::to_string(M));
+  if (tile_m > 0 && (M >= (int64_t{1} << 31) || codes.dimensions()[0] >= (int64_t{1} << 31)))
+    return invalid(where, "the wgmma kernel (tile_m > 0) needs M < 2^31 and N < 2^31 (tensor "
+                          "memory accelerator coordinates), got M = " + std::to_string(M) +
+                              ", N = " + std::to_string(codes.dimensions()[0]));
   Problem p;
   JF4_RETURN_IF_ERROR(validate_problem(where, fmt, block_size, 0, two_level,
                                        codes.dimensions()[0], K, &p));
