@@ -38,7 +38,8 @@ for fmt, bs, kw in cases if "quant" in parts else []:
             s = jf.quantize(x, fmt, block_size=bs, scale_layout="swizzled", **kw).scales
             jax.block_until_ready((q, y, f, s))
             n += 4
-# fused W4A16: ragged M (direct kernel; wgmma tiles of 64, 128, 256, two of them at 300),
+# fused W4A16: ragged M (direct kernel; wgmma tiles of 16 (M = 4 for one-level nvfp4 with
+# bf16 x, and 13), 64, 128, 256, two of them at 300),
 # K not a multiple of 128, N not of 128
 mm_cases = [("nvfp4", 16, {}), ("nvfp4", 16, {"tensor_scale": "auto"}), ("mxfp4", 32, {}),
             ("nf4", 64, {}), ("bnb_fp4", 32, {}), ("int4", 32, {}), ("int4", 128, {}),
@@ -48,7 +49,7 @@ for fmt, bs, kw in mm_cases if "matmul" in parts else []:
     q = jf.quantize(jnp.asarray(rng.standard_normal((k, 136)), jnp.float32), fmt, axis=0,
                     block_size=bs, **kw)
     for dtype in (jnp.bfloat16, jnp.float16):
-        for m in (1, 13, 33, 100, 300):
+        for m in (1, 4, 13, 33, 100, 300):
             jax.block_until_ready(jf.matmul(jnp.asarray(rng.standard_normal((m, k)), dtype), q))
             n += 1
 print(f"cuda_sanitize: {n} kernel launches checked")

@@ -419,11 +419,12 @@ def _wmatmul_transpose(ct, x, codes, scales, zeros, ts, **params):
 
 # Fused W4A16 CUDA kernel (csrc/cuda/wmatmul.cu) and the size rule, measured on an H100
 # (benchmarks/RESULTS.md, 2026-11-23, device time, nvfp4 8192 x 28672 / 28672 x 8192):
-# - M <= 8: the direct (mma.sync) kernel: 60-69 us; the wgmma kernel ties at M = 8 for
-#   nvfp4 (59-67 us) but is slower below 8 rows and for the other formats (mxfp4 /
-#   int4 / nf4 at M = 8: 64-93 us direct, 87-137 us wgmma).
-# - 9 <= M <= FUSED_MAX_M_WGMMA on sm_90a: the wgmma kernel (M = 16: 63-66 us against
-#   90-100 us direct; M = 2048: 1.29-1.35 ms against 1.35-1.45 ms for dequantize + dot).
+# - M < 9 (M < 4 for one-level nvfp4 with bf16 x): the direct (mma.sync) kernel, 59-68
+#   us at M = 1; the wgmma kernel (tile 16) loses there, and for mxfp4 / int4 / nf4 up
+#   to M = 8 (80-128 us against 62-94 us direct).
+# - from there to FUSED_MAX_M_WGMMA on sm_90a: the wgmma kernel (nvfp4 M = 4-16: 60-64
+#   us against 63-71 us direct at M = 4-8 and 90-100 us at M = 16; M = 2048: 1.29-1.35
+#   ms against 1.35-1.45 ms for dequantize + dot).
 # - larger M: the CUDA dequantize kernel + XLA's (cuBLAS) bf16 dot (M = 4096: 2.49-2.65
 #   ms against 2.61-2.75 ms fused).
 # - without wgmma (other GPUs, or a build without sm_90a): the mma.sync kernels up to
@@ -439,9 +440,14 @@ _FUSED_TARGET = "jax_fp4_wmatmul_v1"
 # sweep (S = 1, 2, 4, 7) at M = 32-128 on the two shapes above was fastest at the
 # smallest S that fills the GPU.
 _FUSED_DIRECT_MAX_M = 16
+# The wgmma kernel from M = 9 (tile_m = 16 up to M = 16), and from M = 4 where it decodes
+# with one multiply per pair (wmatmul_folded). Harness, H100, 8192 x 28672 / 28672 x 8192,
+# wgmma vs direct: one-level nvfp4 bf16 M = 4: 62.0 / 58.3 vs 63.3 / 66.0 us, M = 2: 62.4 /
+# 58.0 vs 60.8 / 63.7; mxfp4, nf4, int4 M = 8: 80-128 vs 62-94 us (benchmarks/NOTES.md).
 _WGMMA_MIN_M = 9
+_WGMMA_MIN_M_FOLDED = 4
 _FUSED_GEOMETRY = {"direct": (128, 256, 4, 1), "staged": (128, 128, 4, 2),
-                   32: (128, 128, 2, 16), 64: (128, 128, 2, 16), 128: (128, 128, 1, 16),
+                   16: (128, 128, 2, 16), 32: (128, 128, 2, 16), 64: (128, 128, 2, 16), 128: (128, 128, 1, 16),
                    256: (128, 128, 1, 16)}
 
 
@@ -534,12 +540,20 @@ def wgmma_available():
     return "90a" in str(_ext.build_info().get("cuda_archs", "")).replace(";", ",").split(",")
 
 
-def wmatmul_tile_m(m, wgmma=None):
+def wmatmul_folded(fmt, x_dtype, two_level):
+    """Whether the kernels decode with one multiply per pair: one-level nvfp4 with bf16 x,
+    whose block scale absorbs the bit placement's 2^126 (csrc/cuda/wmatmul.cu, kFold)."""
+    return fmt == "nvfp4" and not two_level and np.dtype(x_dtype) == np.dtype(jnp.bfloat16)
+
+
+def wmatmul_tile_m(m, wgmma=None, folded=False):
     """Activation rows per CTA of the wgmma kernel for M rows of x (0: the mma.sync
-    kernels: M < _WGMMA_MIN_M, or no wgmma)."""
-    if m < _WGMMA_MIN_M or not (wgmma_available() if wgmma is None else wgmma):
+    kernels: M below _WGMMA_MIN_M, or _WGMMA_MIN_M_FOLDED where `folded`
+    (wmatmul_folded), or no wgmma)."""
+    if (m < (_WGMMA_MIN_M_FOLDED if folded else _WGMMA_MIN_M)
+            or not (wgmma_available() if wgmma is None else wgmma)):
         return 0
-    return 32 if m <= 32 else 64 if m <= 64 else 128 if m <= 128 else 256
+    return 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128 if m <= 128 else 256
 
 
 def _wmatmul_fused(x, codes, scales, zeros, ts, *, fmt, block_size, two_level, out_dtype,
@@ -547,7 +561,7 @@ def _wmatmul_fused(x, codes, scales, zeros, ts, *, fmt, block_size, two_level, o
     """The fused kernel: one split writes the output in x's dtype (or float32) itself; K
     splits leave float32 partial sums that XLA adds and casts."""
     m, k = x.shape
-    tile_m = wmatmul_tile_m(m)
+    tile_m = wmatmul_tile_m(m, folded=wmatmul_folded(fmt, x.dtype, two_level))
     splits = wmatmul_splits(m, codes.shape[0], k, tile_m=tile_m)
     final = splits == 1 and np.dtype(out_dtype) in (np.dtype(x.dtype), np.dtype(np.float32))
     if tile_m:

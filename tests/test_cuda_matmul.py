@@ -26,8 +26,9 @@ W_CASES = [
     ("int4", 32, {"scale_dtype": jnp.float32}, BF16),
     ("nvfp4", 16, {}, F16), ("nvfp4", 16, {"tensor_scale": "auto"}, F16), ("mxfp4", 32, {}, F16),
     ("int4", 64, {}, F16), ("int4", 16, {"scale_dtype": F16}, F16)]
-# (M, K, N): M = 1 and 4 (direct kernel); 13, 17, 33, 100, 300 (wgmma kernel with tile_m
-# = 32, 32, 64, 128, 256, M ragged, two M tiles at 300; without wgmma: the direct kernel
+# (M, K, N): M = 1 (direct kernel); 4 (direct kernel, or the wgmma kernel with tile_m =
+# 16 for one-level nvfp4 with bf16 x); 13, 17, 33, 100, 300 (wgmma kernel with tile_m =
+# 16, 32, 64, 128, 256, M ragged, two M tiles at 300; without wgmma: the direct kernel
 # at 13, the staged kernel above); K not a multiple of the 128/256-k steps; N not a
 # multiple of 128
 SHAPES = [(1, 384, 200), (13, 1056, 136), (4, 4096, 520), (17, 416, 264), (33, 640, 136),
@@ -64,6 +65,15 @@ def _check(got, x, w, what, out_dtype=None):
                            f"rounding, e.g. got {got[bad][:4]} want {exact[bad][:4]}")
 
 
+def _folded(fmt, kw, dtype):
+    return primitives.wmatmul_folded(fmt, dtype, "tensor_scale" in kw)
+
+
+def _wgmma_min_m(fmt, kw, dtype):
+    return (primitives._WGMMA_MIN_M_FOLDED if _folded(fmt, kw, dtype)
+            else primitives._WGMMA_MIN_M)
+
+
 def _check_fused(fmt, bs, kw, dtype, m, k, n, family, rng, splits=None):
     """One fused matmul (float32 and x-dtype output) against the reference decode;
     `splits`: the K-splits the lowering must have chosen (None: any)."""
@@ -81,9 +91,9 @@ def _check_fused(fmt, bs, kw, dtype, m, k, n, family, rng, splits=None):
                                               preferred_element_type=jnp.float32))
     text = f32.lower(xg, qg).as_text()
     assert "jax_fp4_wmatmul_v1" in text, f"{fmt} M={m} K={k}: fused kernel not used"
-    want_tile = primitives.wmatmul_tile_m(m)
+    want_tile = primitives.wmatmul_tile_m(m, folded=_folded(fmt, kw, dtype))
     assert f"tile_m = {want_tile} " in text, (m, want_tile)
-    assert (want_tile > 0) == (family == "wgmma" and m >= primitives._WGMMA_MIN_M), m
+    assert (want_tile > 0) == (family == "wgmma" and m >= _wgmma_min_m(fmt, kw, dtype)), m
     if splits is not None:
         assert f"splits = {splits} " in text, (m, k, splits)
     what = f"{fmt} {kw} {dtype.__name__} M={m} K={k} N={n} splits={splits}"
@@ -110,7 +120,7 @@ def test_fused_wmatmul_matches_reference(fmt, bs, kw, dtype, family, rng, monkey
         monkeypatch.setattr(primitives, "wgmma_available", lambda: False)
     monkeypatch.setattr(primitives, "FUSED_MAX_M", 1 << 30)  # every M fused
     for m, k, n in SHAPES:
-        if family == "mma" and m < primitives._WGMMA_MIN_M:
+        if family == "mma" and m < _wgmma_min_m(fmt, kw, dtype):
             continue  # the same direct kernel as the wgmma family
         _check_fused(fmt, bs, kw, dtype, m, k, n, family, rng)
 
@@ -118,8 +128,8 @@ def test_fused_wmatmul_matches_reference(fmt, bs, kw, dtype, family, rng, monkey
 # The size rule gives the wgmma kernel K-splits only for >= 16 steps per split, which the
 # small shapes above never reach; the big-shape benchmarks run S = 2 and 4. Forced here:
 # K = 1056 is 9 steps of 128, so S = 2 / 4 / 5 split them 5+4 / 3+3+3+0 (an empty split)
-# / 2+2+2+2+1, at each tile width (BN = 32 / 64 / 128 with the stage release, 256 in
-# lockstep) and through the bit and table decode paths.
+# / 2+2+2+2+1, at each tile width (BN = 16 / 32 / 64 / 128 with the stage release, 256
+# in lockstep) and through the bit and table decode paths.
 @pytest.mark.parametrize("splits", [2, 4, 5])
 @pytest.mark.parametrize("fmt,bs,kw,dtype", [W_CASES[0], W_CASES[1], W_CASES[3], W_CASES[7]],
                          ids=str)
@@ -129,7 +139,7 @@ def test_fused_wgmma_k_splits(fmt, bs, kw, dtype, splits, rng, monkeypatch):
         pytest.skip("the wgmma kernel needs a compute capability 9.0 GPU and an sm_90a build")
     monkeypatch.setattr(primitives, "FUSED_MAX_M", 1 << 30)
     monkeypatch.setattr(primitives, "wmatmul_splits", lambda *a, **k: splits)
-    for m in (17, 33, 100, 300):
+    for m in (13, 17, 33, 100, 300):
         _check_fused(fmt, bs, kw, dtype, m, 1056, 200, "wgmma", rng, splits)
 
 

@@ -737,7 +737,7 @@ __global__ void __launch_bounds__(kWarps * 32, 4) wmatmul_direct_kernel(
     store_tile<BF16, MT>(out, acc[rt], kAccScale<FMT, BF16, BITS>, n_warp + rt * 16, 0, g, t, p);
 }
 
-// ---- wgmma kernel (sm_90a, M > 16) ----
+// ---- wgmma kernel (sm_90a, M >= 9; one-level nvfp4 with bf16 x: M >= 4) ----
 //
 // Warpgroup MMA with the weight as A from registers (decoded exactly as above) and the
 // activations as B from shared memory (Machete's arrangement on Hopper: the decoded
@@ -1133,6 +1133,7 @@ cudaError_t launch_kernel(cudaStream_t stream, const uint16_t* xp, const uint8_t
                           const void* sp, const uint8_t* zp, const float* tp, void* out,
                           const WParams& p, int splits, int64_t tile_m) {
   switch (tile_m) {
+    case 16: return launch_wgmma<FMT, BF16, BITS, 16>(stream, xp, cp, sp, zp, tp, out, p, splits);
     case 32: return launch_wgmma<FMT, BF16, BITS, 32>(stream, xp, cp, sp, zp, tp, out, p, splits);
     case 64: return launch_wgmma<FMT, BF16, BITS, 64>(stream, xp, cp, sp, zp, tp, out, p, splits);
     case 128: return launch_wgmma<FMT, BF16, BITS, 128>(stream, xp, cp, sp, zp, tp, out, p, splits);
@@ -1211,9 +1212,9 @@ ffi::Error WMatmulImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer cod
   if (fmt != kNVFP4 && fmt != kMXFP4 && fmt != kNF4 && fmt != kBNB_FP4 && fmt != kINT4)
     return invalid(where, "attribute `fmt` = " + std::to_string(fmt) +
                               " has no fused kernel (nvfp4, mxfp4, nf4, bnb_fp4, int4 only)");
-  if (tile_m != 0 && tile_m != 32 && tile_m != 64 && tile_m != 128 && tile_m != 256)
+  if (tile_m != 0 && tile_m != 16 && tile_m != 32 && tile_m != 64 && tile_m != 128 && tile_m != 256)
     return invalid(where, "attribute `tile_m` = " + std::to_string(tile_m) +
-                              " must be 0 (mma.sync kernels) or 32, 64, 128, 256 (wgmma kernel)");
+                              " must be 0 (mma.sync kernels) or 16, 32, 64, 128, 256 (wgmma kernel)");
   if (codes.dimensions().size() != 2)
     return invalid(where, "buffer `codes` must be 2-D (N, K/2), got shape " + dims_str(codes.dimensions()));
   const int64_t K = 2 * codes.dimensions()[1];
