@@ -902,7 +902,7 @@ __global__ void __launch_bounds__(kWgThreads, BN >= 128 ? 1 : 2) wmatmul_wgmma_k
 
   // thread 0: a step's activation tile (two 64-k boxes) and weight codes (128 rows x 64
   // bytes, zero past N and K) -> its stage, arriving on full[]
-  auto stage_x = [&](int step) {
+  auto stage_step = [&](int step) {
     const int j = (step - step_begin) % kStages;
     const uint32_t bar = full_addr + 8 * j, dst = smem_addr + j * wg_stage_bytes<BN>();
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n"
@@ -935,7 +935,7 @@ __global__ void __launch_bounds__(kWgThreads, BN >= 128 ? 1 : 2) wmatmul_wgmma_k
   __syncthreads();  // barriers initialised (and the decode table filled)
   if (tid == 0) {
     for (int i = 0; i < (kLockstep ? kStages - 2 : kStages); ++i)
-      if (step_begin + i < step_end) stage_x(step_begin + i);
+      if (step_begin + i < step_end) stage_step(step_begin + i);
   }
   // the scales of the next kDepth steps, in a ring indexed at compile time (the step loop
   // is unrolled kDepth times, so no register move waits on a load early)
@@ -954,7 +954,7 @@ __global__ void __launch_bounds__(kWgThreads, BN >= 128 ? 1 : 2) wmatmul_wgmma_k
     if (step + kDepth < step_end) load_step(ring[u], step + kDepth);
     if constexpr (kLockstep) {
       __syncthreads();
-      if (tid == 0 && step + kStages - 2 < step_end) stage_x(step + kStages - 2);
+      if (tid == 0 && step + kStages - 2 < step_end) stage_step(step + kStages - 2);
     }
     Dec d[2][2];
 #pragma unroll
@@ -1009,7 +1009,7 @@ __global__ void __launch_bounds__(kWgThreads, BN >= 128 ? 1 : 2) wmatmul_wgmma_k
           asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(empty_addr + 8 * jp) : "memory");
         if (tid == 0 && step - 1 + kStages < step_end) {
           mbar_wait(empty_addr + 8 * jp, static_cast<uint32_t>(done / kStages) & 1u);
-          stage_x(step - 1 + kStages);
+          stage_step(step - 1 + kStages);
         }
       }
     }
