@@ -164,6 +164,23 @@ def test_fused_wmatmul_nonfinite_and_vmap(rng):
     assert np.isnan(y2[:, 17]).all() and np.isfinite(np.delete(y2, 17, 1)).all()
 
 
+@pytest.mark.parametrize("fmt,bs", [("nvfp4", 32), ("mxfp4", 16)])
+def test_wmatmul_handler_rejects_foreign_block_size(fmt, bs):
+    """The kernel decodes nvfp4 blocks of 16 and mxfp4 blocks of 32; a direct FFI call
+    with another (valid-looking) block_size gets an error naming it, not a wrong sum."""
+    assert jf.capabilities()["kernels"]["cuda"], jf.capabilities()["load_error"]  # registers
+    m, k, n = 4, 256, 128
+    args = jax.device_put((jnp.ones((m, k), jnp.bfloat16), jnp.zeros((n, k // 2), jnp.uint8),
+                           jnp.zeros((n, k // bs), jnp.uint8), jnp.zeros((0,), jnp.uint8),
+                           jnp.ones((n,), jnp.float32)), _gpu())
+    call = jax.ffi.ffi_call(primitives._FUSED_TARGET,
+                            jax.ShapeDtypeStruct((1, m, n), jnp.float32))
+    with pytest.raises(Exception, match=rf"`block_size` = {bs}: the fused kernel decodes nvfp4"):
+        jax.block_until_ready(jax.jit(lambda *a: call(
+            *a, **primitives._attrs(fmt, bs, two_level=False), splits=np.int64(1),
+            tile_m=np.int64(0)))(*args))
+
+
 def test_wmatmul_grad_and_large_m_path(rng):
     k, n = 512, 256
     w = jnp.asarray(rng.standard_normal((k, n)), jnp.float32)

@@ -1234,6 +1234,10 @@ ffi::Error WMatmulImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer cod
                                        codes.dimensions()[0], K, &p));
   JF4_RETURN_IF_ERROR(validate_quantized(where, &p, codes, scales, zeros));
   JF4_RETURN_IF_ERROR(validate_ts(where, p, ts));
+  if ((fmt == kNVFP4 && block_size != 16) || (fmt == kMXFP4 && block_size != 32))
+    return invalid(where, "attribute `block_size` = " + std::to_string(block_size) +
+                              ": the fused kernel decodes nvfp4 in blocks of 16 and mxfp4 in "
+                              "blocks of 32 (the formats' specs)");
   if (K % 32 != 0 || K >= (int64_t{1} << 31) || block_size < 16 ||
       (block_size & (block_size - 1)) != 0)
     return invalid(where, "the fused kernel needs K % 32 == 0, K < 2^31 and a power-of-two "
