@@ -447,8 +447,8 @@ _FUSED_DIRECT_MAX_M = 16
 _WGMMA_MIN_M = 9
 _WGMMA_MIN_M_FOLDED = 4
 _FUSED_GEOMETRY = {"direct": (128, 256, 4, 1), "staged": (128, 128, 4, 2),
-                   16: (128, 128, 2, 16), 32: (128, 128, 2, 16), 64: (128, 128, 2, 16), 128: (128, 128, 1, 16),
-                   256: (128, 128, 1, 16)}
+                   16: (128, 128, 2, 16), 32: (128, 128, 2, 16), 64: (128, 128, 2, 16),
+                   128: (128, 128, 1, 16), 256: (128, 128, 1, 16)}
 
 
 def _sm_count():
@@ -546,12 +546,16 @@ def wmatmul_folded(fmt, x_dtype, two_level):
     return fmt == "nvfp4" and not two_level and np.dtype(x_dtype) == np.dtype(jnp.bfloat16)
 
 
+def wgmma_min_m(folded=False):
+    """The fewest rows of x for which the wgmma kernel runs (where available): 4 where the
+    decode is one multiply per pair (`folded`, wmatmul_folded), else 9."""
+    return _WGMMA_MIN_M_FOLDED if folded else _WGMMA_MIN_M
+
+
 def wmatmul_tile_m(m, wgmma=None, folded=False):
     """Activation rows per CTA of the wgmma kernel for M rows of x (0: the mma.sync
-    kernels: M below _WGMMA_MIN_M, or _WGMMA_MIN_M_FOLDED where `folded`
-    (wmatmul_folded), or no wgmma)."""
-    if (m < (_WGMMA_MIN_M_FOLDED if folded else _WGMMA_MIN_M)
-            or not (wgmma_available() if wgmma is None else wgmma)):
+    kernels: M < wgmma_min_m(folded), or no wgmma)."""
+    if m < wgmma_min_m(folded) or not (wgmma_available() if wgmma is None else wgmma):
         return 0
     return 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128 if m <= 128 else 256
 

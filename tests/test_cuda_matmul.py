@@ -70,8 +70,7 @@ def _folded(fmt, kw, dtype):
 
 
 def _wgmma_min_m(fmt, kw, dtype):
-    return (primitives._WGMMA_MIN_M_FOLDED if _folded(fmt, kw, dtype)
-            else primitives._WGMMA_MIN_M)
+    return primitives.wgmma_min_m(_folded(fmt, kw, dtype))
 
 
 def _check_fused(fmt, bs, kw, dtype, m, k, n, family, rng, splits=None):
