@@ -40,16 +40,17 @@ for fmt, bs, kw in cases if "quant" in parts else []:
             n += 4
 # fused W4A16: ragged M (direct kernel; wgmma tiles of 16 (M = 4 for one-level nvfp4 with
 # bf16 x, and 13), 64, 128, 256, two of them at 300),
-# K not a multiple of 128, N not of 128
+# K not a multiple of 128 (the lanes load the scales), and K = 2048 (the wgmma kernel's
+# scale boxes), N not a multiple of 128
 mm_cases = [("nvfp4", 16, {}), ("nvfp4", 16, {"tensor_scale": "auto"}), ("mxfp4", 32, {}),
             ("nf4", 64, {}), ("bnb_fp4", 32, {}), ("int4", 32, {}), ("int4", 128, {}),
             ("int4", 128, {"scale_dtype": jnp.bfloat16}), ("int4", 16, {"scale_dtype": jnp.float16})]
 for fmt, bs, kw in mm_cases if "matmul" in parts else []:
-    k = 3 * max(bs, 64)
-    q = jf.quantize(jnp.asarray(rng.standard_normal((k, 136)), jnp.float32), fmt, axis=0,
-                    block_size=bs, **kw)
-    for dtype in (jnp.bfloat16, jnp.float16):
-        for m in (1, 4, 13, 33, 100, 300):
-            jax.block_until_ready(jf.matmul(jnp.asarray(rng.standard_normal((m, k)), dtype), q))
-            n += 1
+    for k in (3 * max(bs, 64), 2048):
+        q = jf.quantize(jnp.asarray(rng.standard_normal((k, 136)), jnp.float32), fmt, axis=0,
+                        block_size=bs, **kw)
+        for dtype in (jnp.bfloat16, jnp.float16):
+            for m in (1, 4, 13, 33, 100, 300):
+                jax.block_until_ready(jf.matmul(jnp.asarray(rng.standard_normal((m, k)), dtype), q))
+                n += 1
 print(f"cuda_sanitize: {n} kernel launches checked")

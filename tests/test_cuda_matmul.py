@@ -142,6 +142,25 @@ def test_fused_wgmma_k_splits(fmt, bs, kw, dtype, splits, rng, monkeypatch):
         _check_fused(fmt, bs, kw, dtype, m, 1056, 200, "wgmma", rng, splits)
 
 
+# The wgmma kernel takes the block scales (and INT4 zero points) by TMA with each stage
+# (scale boxes) where the scale rows are 16-byte multiples and wg_boxes allows (nvfp4 at
+# BN = 16; the other formats at BN = 16, 32, 128 and, where two CTAs per SM still fit,
+# 64); the shapes above mostly do not qualify (K / block_size scale bytes per row), so
+# they test the lanes' scale loads. K = 2048 qualifies for every format here (M = 13, 17,
+# 33, 100: BN = 16, 32, 64, 128); N = 200 leaves rows past N in the last CTA's boxes;
+# S = 3 starts two splits mid-row.
+@pytest.mark.parametrize("fmt,bs,kw,dtype", W_CASES, ids=str)
+def test_fused_wgmma_scale_boxes(fmt, bs, kw, dtype, rng, monkeypatch):
+    assert jf.capabilities()["kernels"]["cuda"], jf.capabilities()["load_error"]
+    if not primitives.wgmma_available():
+        pytest.skip("the wgmma kernel needs a compute capability 9.0 GPU and an sm_90a build")
+    monkeypatch.setattr(primitives, "FUSED_MAX_M", 1 << 30)
+    for m in (13, 17, 33, 100):
+        _check_fused(fmt, bs, kw, dtype, m, 2048, 200, "wgmma", rng)
+    monkeypatch.setattr(primitives, "wmatmul_splits", lambda *a, **k: 3)
+    _check_fused(fmt, bs, kw, dtype, 13, 2048, 200, "wgmma", rng, 3)
+
+
 def test_fused_wmatmul_nonfinite_and_vmap(rng):
     k, n = 256, 136
     w = rng.standard_normal((k, n)).astype(np.float32)

@@ -65,6 +65,7 @@ struct WParams {
   int two_level;
   int st;                  // INT4 scale storage type
   int out_f32;             // output float32 (else x's dtype: one split only)
+  int scale_boxes;         // wgmma kernel: the scales come by TMA with the stages
 };
 
 // Raw bits of one weight row's K-chunk (32 elements).
@@ -159,12 +160,16 @@ __device__ float scale_value(uint32_t bits, float ts, const WParams& p) {
   }
 }
 
+// Bytes per stored block scale.
+template <int FMT>
+__host__ __device__ __forceinline__ int scale_bytes(const WParams& p) {
+  return FMT == kNF4 || FMT == kBNB_FP4 ? 4 : FMT == kINT4 ? (p.st == kScaleF32 ? 4 : 2) : 1;
+}
+
 template <int FMT>
 __device__ __forceinline__ Rows make_rows(const uint8_t* codes, const void* scales,
                                           const uint8_t* zeros, int64_t n0, const WParams& p) {
-  const int64_t esize = FMT == kNF4 || FMT == kBNB_FP4 ? 4
-                        : FMT == kINT4                 ? (p.st == kScaleF32 ? 4 : 2)
-                                                       : 1;
+  const int64_t esize = scale_bytes<FMT>(p);
   Rows r;
   r.codes = codes + n0 * (p.K >> 1);
   r.scales = static_cast<const uint8_t*>(scales) + n0 * p.nb * esize;
@@ -181,33 +186,47 @@ __device__ __forceinline__ Rows make_rows(const uint8_t* codes, const void* scal
 // CHECK = false: the caller knows the chunk is inside K and the row inside N. CODES =
 // false: the scales (and zero points) only; the caller fills c.q (wgmma kernel: from the
 // stage the tensor memory accelerator filled).
+template <int N>
+using Bytes = std::integral_constant<int, N>;
+
+// The scale (and zero-point) bits of a chunk whose first block is block b of its row:
+// ld_s(Bytes<n>, offset) / ld_z(Bytes<n>, offset) read n bytes at a byte offset into the
+// row's scales / zero points, from global memory or from a stage's scale box. `two`:
+// the chunk's second 16 elements have their own block (INT4 with block_size 16).
+template <int FMT, bool BITS, class LdS, class LdZ>
+__device__ __forceinline__ void chunk_scales(Chunk& c, LdS ld_s, LdZ ld_z, int b, bool two,
+                                             const WParams& p) {
+  c.s1 = c.z = 0;
+  if constexpr (FMT == kNVFP4) {  // blocks of 16: both E4M3 scales in one 2-byte load
+    c.s = ld_s(Bytes<2>{}, b);
+  } else if constexpr (FMT == kMXFP4) {  // blocks of 32: one E8M0 scale
+    c.s = ld_s(Bytes<1>{}, b) * 0x101u;
+  } else if constexpr (FMT == kINT4) {
+    if (BITS || p.st != kScaleF32) {  // the bit path has 16-bit scales
+      c.s = ld_s(Bytes<2>{}, 2 * b);
+      c.s1 = two ? ld_s(Bytes<2>{}, 2 * b + 2) : c.s;
+    } else {
+      c.s = ld_s(Bytes<4>{}, 4 * b);
+      c.s1 = two ? ld_s(Bytes<4>{}, 4 * b + 4) : c.s;
+    }
+    const uint32_t z0 = ld_z(Bytes<1>{}, b);
+    c.z = z0 | ((two ? ld_z(Bytes<1>{}, b + 1) : z0) << 8);
+  } else {
+    c.s = ld_s(Bytes<4>{}, 4 * b);
+  }
+}
+
 template <int FMT, bool BITS, bool CHECK = true, bool CODES = true>
 __device__ __forceinline__ void load_chunk(Chunk& c, const Rows& rs, int i, int k, bool kvalid,
                                            const WParams& p) {
   const bool valid = !CHECK || (kvalid && rs.n0 + 8 * i < p.N);
   const uint8_t* scales = rs.scales + i * rs.scale_stride;
+  const uint8_t* zeros = rs.zeros + i * rs.zero_stride;
   if constexpr (CODES) c.q = ld_weight16<CHECK>(rs.codes + i * rs.code_stride + (k >> 1), valid);
-  const int b = k >> p.bs_shift;  // the chunk's first block within the row
-  c.s1 = c.z = 0;
-  if constexpr (FMT == kNVFP4) {  // blocks of 16: both E4M3 scales in one 2-byte load
-    c.s = ld_weight<2, CHECK>(scales + b, valid);
-  } else if constexpr (FMT == kMXFP4) {  // blocks of 32: one E8M0 scale
-    c.s = ld_weight<1, CHECK>(scales + b, valid) * 0x101u;
-  } else if constexpr (FMT == kINT4) {
-    const uint8_t* zeros = rs.zeros + i * rs.zero_stride;
-    const bool two = valid && p.bs == 16;
-    if (BITS || p.st != kScaleF32) {  // the bit path has 16-bit scales
-      c.s = ld_weight<2, CHECK>(scales + 2 * b, valid);
-      c.s1 = two ? ld_weight<2, CHECK>(scales + 2 * b + 2, true) : c.s;
-    } else {
-      c.s = ld_weight<4, CHECK>(scales + 4 * b, valid);
-      c.s1 = two ? ld_weight<4, CHECK>(scales + 4 * b + 4, true) : c.s;
-    }
-    const uint32_t z0 = ld_weight<1, CHECK>(zeros + b, valid);
-    c.z = z0 | ((two ? ld_weight<1, CHECK>(zeros + b + 1, true) : z0) << 8);
-  } else {
-    c.s = ld_weight<4, CHECK>(scales + 4 * b, valid);
-  }
+  chunk_scales<FMT, BITS>(
+      c, [&](auto n, int off) { return ld_weight<decltype(n)::value, CHECK>(scales + off, valid); },
+      [&](auto n, int off) { return ld_weight<decltype(n)::value, CHECK>(zeros + off, valid); },
+      k >> p.bs_shift, valid && p.bs == 16, p);
 }
 
 template <bool BF16>
@@ -767,10 +786,14 @@ __global__ void __launch_bounds__(kWarps * 32, 4) wmatmul_direct_kernel(
 //    have finished with step s - 2), then thread 0 copies step s + stages - 2 into the
 //    stage of step s - 2 (M = 256..1024: release was 6-12% slower here).
 // Each lane reads its two 16-byte code chunks of a step from the stage (a warp reads 512
-// contiguous bytes) and loads the scales from global memory wg_depth<BN> steps ahead
-// into registers. (Against codes loaded by the lanes into registers: mxfp4, nf4, int4
+// contiguous bytes). (Against codes loaded by the lanes into registers: mxfp4, nf4, int4
 // 2-9% faster at M = 8..1024, nvfp4 within 2% at M <= 64 and 2-3% slower at M >= 256;
-// benchmarks/NOTES.md, round 3.) The epilogue
+// benchmarks/NOTES.md, round 3.) The block scales (and INT4 zero points) come one of two
+// ways: as scale boxes in the stage (wg_boxes<FMT, BITS, BN> and launch_wgmma's checks on
+// the scale rows), one more tensor copy of the 128 rows x 16 aligned bytes that hold the
+// step's blocks, read by the lanes from shared memory; or loaded by the lanes from global
+// memory wg_depth<BN> steps ahead into registers (the scale rows' addresses pinned in
+// registers). The stage index and parity are carried from step to step. The epilogue
 // moves the accumulators through shared memory so that each warp stores whole rows of
 // the output.
 constexpr int kWgThreads = 256;
@@ -792,18 +815,50 @@ __host__ __device__ constexpr int wg_words() { return BN >= 256 ? 1 : 2; }
 // L2 cache policies (CUTLASS's CacheHintSm90): the activations, which every CTA re-reads,
 // stay; the weight codes, read once, go first
 constexpr uint64_t kEvictFirst = 0x12F0000000000000ull;
+constexpr uint64_t kEvictNormal = 0x1000000000000000ull;
 constexpr uint64_t kEvictLast = 0x14F0000000000000ull;
 constexpr int kWgCodeBytes = kWgRows * kWgStepK / 2;  // a step's weight codes: 128 rows x 64 B
+constexpr int kWgBoxCols = 16;  // scale / zero-point box: 128 rows x 16 bytes (TMA's minimum)
+constexpr int kWgBoxBytes = kWgRows * kWgBoxCols;
 template <int BN>  // a step's activation tile: BN rows x 128 k
 __host__ __device__ constexpr int wg_x_bytes() { return BN * kWgStepK * 2; }
-template <int BN>  // stage = [activation tile | weight codes]
-__host__ __device__ constexpr int wg_stage_bytes() { return wg_x_bytes<BN>() + kWgCodeBytes; }
+template <int BN>  // CTAs per SM the kernel is built for (launch bounds)
+__host__ __device__ constexpr int wg_ctas() { return BN >= 128 ? 1 : 2; }
+template <int FMT>  // a stage's scale box, and INT4's zero-point box
+__host__ __device__ constexpr int wg_side_bytes() { return (FMT == kINT4 ? 2 : 1) * kWgBoxBytes; }
 template <int BN, bool BITS>
-__host__ __device__ constexpr int wg_smem_bytes() {
-  const int pipe = wg_stages<BN>() * wg_stage_bytes<BN>();
+__host__ __device__ constexpr int wg_smem_for(int stage_bytes) {
+  const int pipe = wg_stages<BN>() * stage_bytes;
   const int epi = BN * kOutStride * 4;
   return 1024 /* alignment slack */ + (pipe > epi ? pipe : epi) +
          (BITS ? 0 : 256 * kStagedCopies * 8);
+}
+// Whether the stages carry the scale boxes (see Pipeline below): BN <= 128 (BN = 256 is
+// bound by the tensor cores, and its three stages fill the SM), not for nvfp4 past BN = 16
+// (there its one 2-byte lane load per row and step was 0-5% faster; mxfp4 and int4 gain
+// 7-27% from the boxes at every BN, benchmarks/NOTES.md round 4), and only where the boxes
+// do not cost a CTA per SM (228 KB per SM, 1 KB reserved per CTA, the barriers static).
+template <int FMT, bool BITS, int BN>
+__host__ __device__ constexpr bool wg_boxes() {
+  return BN <= 128 && (FMT != kNVFP4 || BN == 16) &&
+         wg_ctas<BN>() * (wg_smem_for<BN, BITS>(wg_x_bytes<BN>() + kWgCodeBytes + wg_side_bytes<FMT>()) +
+                          1024 + 2 * wg_stages<BN>() * 8) <= 228 * 1024;
+}
+template <int FMT, bool BITS, int BN>  // stage = [activation tile | weight codes | boxes]
+__host__ __device__ constexpr int wg_stage_bytes() {
+  return wg_x_bytes<BN>() + kWgCodeBytes + (wg_boxes<FMT, BITS, BN>() ? wg_side_bytes<FMT>() : 0);
+}
+template <int FMT, bool BITS, int BN>
+__host__ __device__ constexpr int wg_smem_bytes() {
+  return wg_smem_for<BN, BITS>(wg_stage_bytes<FMT, BITS, BN>());
+}
+
+// n bytes of shared memory, zero-extended
+template <int N>
+__device__ __forceinline__ uint32_t lds_bytes(const uint8_t* a) {
+  if constexpr (N == 1) return *a;
+  else if constexpr (N == 2) return *reinterpret_cast<const uint16_t*>(a);
+  else return *reinterpret_cast<const uint32_t*>(a);
 }
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -844,15 +899,19 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
 }
 
 template <int FMT, bool BF16, bool BITS, int BN>
-__global__ void __launch_bounds__(kWgThreads, BN >= 128 ? 1 : 2) wmatmul_wgmma_kernel(
+__global__ void __launch_bounds__(kWgThreads, wg_ctas<BN>()) wmatmul_wgmma_kernel(
     const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap w_map,
+    const __grid_constant__ CUtensorMap s_map, const __grid_constant__ CUtensorMap z_map,
     const uint8_t* __restrict__ codes, const void* __restrict__ scales, const uint8_t* __restrict__ zeros,
     const float* __restrict__ ts, void* __restrict__ out, const WParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kStages = wg_stages<BN>();
   constexpr bool kLockstep = wg_lockstep<BN>();
   constexpr int kWords = wg_words<BN>();
-  constexpr int kPipe = kStages * wg_stage_bytes<BN>();
+  constexpr int kStage = wg_stage_bytes<FMT, BITS, BN>();
+  constexpr int kPipe = kStages * kStage;
+  // the scale boxes come with the stages (launch_wgmma: where the scale rows allow)
+  const bool boxes = wg_boxes<FMT, BITS, BN>() && p.scale_boxes;
   constexpr int kEpi = BN * kOutStride * 4;
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t full[kStages];   // stage j holds its step's activations
@@ -900,32 +959,55 @@ __global__ void __launch_bounds__(kWgThreads, BN >= 128 ? 1 : 2) wmatmul_wgmma_k
   int step_begin, step_end;
   split_steps(p, &step_begin, &step_end);
 
-  // thread 0: a step's activation tile (two 64-k boxes) and weight codes (128 rows x 64
-  // bytes, zero past N and K) -> its stage, arriving on full[]
-  auto stage_step = [&](int step) {
-    const int j = (step - step_begin) % kStages;
-    const uint32_t bar = full_addr + 8 * j, dst = smem_addr + j * wg_stage_bytes<BN>();
+  // a step's activation tile (two 64-k boxes), weight codes (128 rows x 64 bytes) and
+  // scale / zero-point boxes (128 rows x the 16 aligned bytes that hold the step's blocks:
+  // a box must start on a 16-byte boundary), zero past M, N and K -> stage j, arriving on
+  // full[j]; one thread issues it
+  auto stage_step = [&](int step, uint32_t j) {
+    const uint32_t bar = full_addr + 8 * j, dst = smem_addr + j * kStage;
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n"
-                 ::"r"(bar), "r"(wg_stage_bytes<BN>()) : "memory");
-#pragma unroll
-    for (int kc = 0; kc < 3; ++kc)
+                 ::"r"(bar), "r"(boxes ? kStage : wg_x_bytes<BN>() + kWgCodeBytes) : "memory");
+    auto copy = [&](uint32_t to, const CUtensorMap* map, int c0, int c1, uint64_t hint) {
       asm volatile(
           "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
           " [%0], [%1, {%2, %3}], [%4], %5;\n"
-          ::"r"(dst + kc * BN * 128), "l"(kc < 2 ? &x_map : &w_map),
-            "r"(kc < 2 ? step * kWgStepK + 64 * kc : step * (kWgStepK / 2)),
-            "r"(kc < 2 ? m0 : static_cast<int>(n_cta)), "r"(bar),
-            "l"(kc < 2 ? kEvictLast : kEvictFirst) : "memory");
+          ::"r"(to), "l"(map), "r"(c0), "r"(c1), "r"(bar), "l"(hint) : "memory");
+    };
+    const int n = static_cast<int>(n_cta);
+    copy(dst, &x_map, step * kWgStepK, m0, kEvictLast);
+    copy(dst + BN * 128, &x_map, step * kWgStepK + 64, m0, kEvictLast);
+    copy(dst + wg_x_bytes<BN>(), &w_map, step * (kWgStepK / 2), n, kEvictFirst);
+    if constexpr (wg_boxes<FMT, BITS, BN>()) {
+      if (boxes) {  // a scale row's 128-byte line serves 8-16 steps: normal eviction
+        const int b0 = (step * kWgStepK) >> p.bs_shift;
+        const uint32_t side = dst + wg_x_bytes<BN>() + kWgCodeBytes;
+        copy(side, &s_map, (b0 * scale_bytes<FMT>(p)) & ~15, n, kEvictNormal);
+        if constexpr (FMT == kINT4) copy(side + kWgBoxBytes, &z_map, b0 & ~15, n, kEvictNormal);
+      }
+    }
   };
+  // The lane's two rows (g, g + 8) with their scale / zero-point row addresses pinned in
+  // registers: otherwise the compiler recomputes the 64-bit row addresses every step.
+  Rows lrows[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    lrows[h] = rows;
+    lrows[h].scales = rows.scales + h * rows.scale_stride;
+    lrows[h].zeros = rows.zeros + h * rows.zero_stride;
+    lrows[h].n0 = rows.n0 + 8 * h;
+    asm volatile("" : "+l"(lrows[h].scales), "+l"(lrows[h].zeros));
+  }
+  // steps before fast_end are whole 128-k steps of rows inside N: no bounds checks
+  const int fast_end = rows_inside ? min(step_end, p.K32 / kWgStepK) : step_begin;
   // the scales (and zero points) of a step; its codes come with the stage
   auto load_step = [&](Chunk (&c)[2], int step) {
     const int k = step * kWgStepK + 32 * t;
-    if (rows_inside && (step + 1) * kWgStepK <= p.K32) {  // warp-uniform: no checks
+    if (step < fast_end) {  // warp-uniform
 #pragma unroll
-      for (int h = 0; h < 2; ++h) load_chunk<FMT, BITS, false, false>(c[h], rows, h, k, true, p);
+      for (int h = 0; h < 2; ++h) load_chunk<FMT, BITS, false, false>(c[h], lrows[h], 0, k, true, p);
     } else {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) load_chunk<FMT, BITS, true, false>(c[h], rows, h, k, k < p.K32, p);
+      for (int h = 0; h < 2; ++h) load_chunk<FMT, BITS, true, false>(c[h], lrows[h], 0, k, k < p.K32, p);
     }
   };
 
@@ -935,7 +1017,7 @@ __global__ void __launch_bounds__(kWgThreads, BN >= 128 ? 1 : 2) wmatmul_wgmma_k
   __syncthreads();  // barriers initialised (and the decode table filled)
   if (tid == 0) {
     for (int i = 0; i < (kLockstep ? kStages - 2 : kStages); ++i)
-      if (step_begin + i < step_end) stage_step(step_begin + i);
+      if (step_begin + i < step_end) stage_step(step_begin + i, i);
   }
   // the scales of the next kDepth steps, in a ring indexed at compile time (the step loop
   // is unrolled kDepth times, so no register move waits on a load early)
@@ -943,30 +1025,52 @@ __global__ void __launch_bounds__(kWgThreads, BN >= 128 ? 1 : 2) wmatmul_wgmma_k
   Chunk ring[kDepth][2];
 #pragma unroll
   for (int i = 0; i < kDepth; ++i)
-    if (step_begin + i < step_end) load_step(ring[i], step_begin + i);
+    if (!boxes && step_begin + i < step_end) load_step(ring[i], step_begin + i);
 
+  // the stage of `step` and the parity of its fill, carried (no division per step)
+  uint32_t js = 0, par = 0;
+  const uint64_t desc0 = sw128_desc(smem_addr);
+  const uint8_t* wc0 = smem + wg_x_bytes<BN>() + wrow * 64 + 16 * t;
+  // the lane's scale rows in a stage's box, and its first block counted from the step's
+  // first block (blocks longer than a step: 0)
+  const uint8_t* sb0 = smem + wg_x_bytes<BN>() + kWgCodeBytes + wrow * kWgBoxCols;
+  const int lane_block = (32 * t) >> p.bs_shift;
   for (int s0 = step_begin; s0 < step_end; s0 += kDepth)
 #pragma unroll
   for (int u = 0; u < kDepth; ++u) {
     const int step = s0 + u;
     if (step >= step_end) break;
     Chunk cur[2] = {ring[u][0], ring[u][1]};
-    if (step + kDepth < step_end) load_step(ring[u], step + kDepth);
+    if (!boxes && step + kDepth < step_end) load_step(ring[u], step + kDepth);
     if constexpr (kLockstep) {
-      __syncthreads();
-      if (tid == 0 && step + kStages - 2 < step_end) stage_step(step + kStages - 2);
+      __syncthreads();  // every warp is done with step - 2
+      if (tid == 0 && step + kStages - 2 < step_end)
+        stage_step(step + kStages - 2, js >= 2 ? js - 2 : js + kStages - 2);
+    }
+    // descriptor of the stage; a k16 slice adds its byte offset / 16 to the address field
+    // (addresses stay below 2^18, so the 14-bit field never carries)
+    const uint64_t desc = desc0 + js * (kStage >> 4);
+    mbar_wait(full_addr + 8 * js, par);
+    if constexpr (wg_boxes<FMT, BITS, BN>()) {
+      if (boxes) {  // the step's first block sits at byte b0 * size % 16 of its box row
+        const int b0 = (step * kWgStepK) >> p.bs_shift;
+        const uint8_t* sb = sb0 + js * kStage + ((b0 * scale_bytes<FMT>(p)) & 15);
+        const uint8_t* zb = sb0 + js * kStage + kWgBoxBytes + (b0 & 15);
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          chunk_scales<FMT, BITS>(
+              cur[h],
+              [&](auto n, int off) { return lds_bytes<decltype(n)::value>(sb + h * 8 * kWgBoxCols + off); },
+              [&](auto n, int off) { return lds_bytes<decltype(n)::value>(zb + h * 8 * kWgBoxCols + off); },
+              lane_block, p.bs == 16, p);
+      }
     }
     Dec d[2][2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) make_decs<FMT, BF16, BITS>(cur[h], tsv[0][h], p, d[h]);
-    const int js = (step - step_begin) % kStages;
-    // descriptor of the stage; a k16 slice adds its byte offset / 16 to the address field
-    // (addresses stay below 2^18, so the 14-bit field never carries)
-    const uint64_t desc = sw128_desc(smem_addr + js * wg_stage_bytes<BN>());
-    mbar_wait(full_addr + 8 * js, static_cast<uint32_t>((step - step_begin) / kStages) & 1u);
     // the lane's code chunks: rows wrow and wrow + 8, k [32 t, 32 t + 32) (a warp reads 512
     // contiguous bytes: no bank conflicts)
-    const uint8_t* wc = smem + js * wg_stage_bytes<BN>() + wg_x_bytes<BN>() + wrow * 64 + 16 * t;
+    const uint8_t* wc = wc0 + js * kStage;
 #pragma unroll
     for (int h = 0; h < 2; ++h) cur[h].q = *reinterpret_cast<const uint4*>(wc + h * 8 * 64);
     // groups of kWords code words: decode them (A of 2 kWords wgmmas), issue the
@@ -1004,14 +1108,18 @@ __global__ void __launch_bounds__(kWgThreads, BN >= 128 ? 1 : 2) wmatmul_wgmma_k
       if (!kLockstep && w0 == 0 && step > step_begin) {
         // this warp is done with step - 1 (only the group just issued is in flight):
         // release its stage; thread 0 refills it once every warp has
-        const int done = step - 1 - step_begin, jp = done % kStages;
+        const uint32_t jp = js ? js - 1 : kStages - 1, pp = js ? par : par ^ 1u;
         if (lane == 0)
-          asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(empty_addr + 8 * jp) : "memory");
+          asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n"::"r"(empty_addr + 8 * jp) : "memory");
         if (tid == 0 && step - 1 + kStages < step_end) {
-          mbar_wait(empty_addr + 8 * jp, static_cast<uint32_t>(done / kStages) & 1u);
-          stage_step(step - 1 + kStages);
+          mbar_wait(empty_addr + 8 * jp, pp);
+          stage_step(step - 1 + kStages, jp);
         }
       }
+    }
+    if (++js == kStages) {
+      js = 0;
+      par ^= 1u;
     }
   }
   wgmma_wait<0>();
@@ -1106,7 +1214,7 @@ cudaError_t launch_wgmma(cudaStream_t stream, const uint16_t* xp, const uint8_t*
                          const void* sp, const uint8_t* zp, const float* tp, void* out,
                          const WParams& p, int splits) {
   auto kernel = wmatmul_wgmma_kernel<FMT, BF16, BITS, BN>;
-  constexpr int kSmem = wg_smem_bytes<BN, BITS>();
+  constexpr int kSmem = wg_smem_bytes<FMT, BITS, BN>();
   static const cudaError_t ready = prepare_wgmma(kernel, kSmem);
   if (ready != cudaSuccess) return ready;
   // x permuted (M, K128): boxes of BN rows x 64 k into the 128-byte swizzle the wgmma
@@ -1122,9 +1230,29 @@ cudaError_t launch_wgmma(cudaStream_t stream, const uint16_t* xp, const uint8_t*
                       kWgStepK / 2, CU_TENSOR_MAP_SWIZZLE_NONE,
                       CU_TENSOR_MAP_L2_PROMOTION_L2_128B);
   if (e != cudaSuccess) return e;
+  // Scale (and zero-point) boxes of 128 rows x 16 bytes, where the stages have room, TMA
+  // can address the rows (row bytes % 16 == 0) and a step's scale bytes, a power of two,
+  // fit in 16 (then they never straddle two aligned 16-byte boxes; all but 32-bit scales
+  // in blocks of 16); else the lanes load the scales from global memory.
+  WParams q = p;
+  const int esize = scale_bytes<FMT>(p);
+  const int lane_end = ((96 >> p.bs_shift) + (p.bs == 16 ? 2 : 1)) * esize;  // lane t = 3
+  q.scale_boxes = wg_boxes<FMT, BITS, BN>() && (p.nb * esize) % 16 == 0 && lane_end <= kWgBoxCols &&
+                  (FMT != kINT4 || p.nb % 16 == 0) && reinterpret_cast<uintptr_t>(sp) % 16 == 0 &&
+                  (FMT != kINT4 || reinterpret_cast<uintptr_t>(zp) % 16 == 0);
+  CUtensorMap s_map = {}, z_map = {};
+  if (q.scale_boxes) {
+    e = tensor_map_2d(&s_map, CU_TENSOR_MAP_DATA_TYPE_UINT8, sp, p.N, p.nb * esize, p.nb * esize,
+                      kWgRows, kWgBoxCols, CU_TENSOR_MAP_SWIZZLE_NONE,
+                      CU_TENSOR_MAP_L2_PROMOTION_L2_128B);
+    if (e == cudaSuccess && FMT == kINT4)
+      e = tensor_map_2d(&z_map, CU_TENSOR_MAP_DATA_TYPE_UINT8, zp, p.N, p.nb, p.nb, kWgRows,
+                        kWgBoxCols, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_128B);
+    if (e != cudaSuccess) return e;
+  }
   const int64_t tiles = ((p.M + BN - 1) / BN) * ((p.N + kWgRows - 1) / kWgRows);
   const dim3 grid(static_cast<unsigned>(tiles), 1, static_cast<unsigned>(splits));
-  kernel<<<grid, kWgThreads, kSmem, stream>>>(x_map, w_map, cp, sp, zp, tp, out, p);
+  kernel<<<grid, kWgThreads, kSmem, stream>>>(x_map, w_map, s_map, z_map, cp, sp, zp, tp, out, q);
   return cudaGetLastError();
 }
 
@@ -1275,6 +1403,7 @@ ffi::Error WMatmulImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer cod
   w.two_level = p.two_level;
   w.st = p.scale_type;
   w.out_f32 = out->element_type() == ffi::DataType::F32;
+  w.scale_boxes = 0;  // launch_wgmma decides
   void* o = out->untyped_data();
   return x.element_type() == ffi::DataType::BF16
              ? launch<true>(fmt, stream, x, codes, scales, zeros, ts, o, w, static_cast<int>(splits), tile_m)
