@@ -143,9 +143,9 @@ def test_fused_wgmma_k_splits(fmt, bs, kw, dtype, splits, rng, monkeypatch):
 
 
 # The wgmma kernel takes the block scales (and INT4 zero points) by TMA with each stage
-# (scale boxes) where the scale rows are 16-byte multiples and wg_boxes allows (nvfp4 at
-# BN = 16; the other formats at BN = 16, 32, 128 and, where two CTAs per SM still fit,
-# 64); the shapes above mostly do not qualify (K / block_size scale bytes per row), so
+# (scale boxes) where the scale rows are 16-byte multiples and wg_boxes allows (not nvfp4,
+# whose lanes load the scales; the other formats at BN = 16, 32, 128 and, where two CTAs
+# per SM still fit, 64); the shapes above mostly do not qualify (K / block_size scale bytes per row), so
 # they test the lanes' scale loads. K = 2048 qualifies for every format here (M = 13, 17,
 # 33, 100: BN = 16, 32, 64, 128); N = 200 leaves rows past N in the last CTA's boxes;
 # S = 3 starts two splits mid-row.

@@ -834,13 +834,14 @@ __host__ __device__ constexpr int wg_smem_for(int stage_bytes) {
          (BITS ? 0 : 256 * kStagedCopies * 8);
 }
 // Whether the stages carry the scale boxes (see Pipeline below): BN <= 128 (BN = 256 is
-// bound by the tensor cores, and its three stages fill the SM), not for nvfp4 past BN = 16
-// (there its one 2-byte lane load per row and step was 0-5% faster; mxfp4 and int4 gain
-// 7-27% from the boxes at every BN, benchmarks/NOTES.md round 4), and only where the boxes
-// do not cost a CTA per SM (228 KB per SM, 1 KB reserved per CTA, the barriers static).
+// bound by the tensor cores, and its three stages fill the SM), not for nvfp4 (its one
+// 2-byte lane load per row and step was faster: 61 vs 65 us at M = 16 and equal at M = 64
+// through JAX, 8192x28672; mxfp4 and int4 gain 7-27% from the boxes, benchmarks/NOTES.md
+// round 4), and only where the boxes do not cost a CTA per SM (228 KB per SM, 1 KB
+// reserved per CTA, the barriers static).
 template <int FMT, bool BITS, int BN>
 __host__ __device__ constexpr bool wg_boxes() {
-  return BN <= 128 && (FMT != kNVFP4 || BN == 16) &&
+  return BN <= 128 && FMT != kNVFP4 &&
          wg_ctas<BN>() * (wg_smem_for<BN, BITS>(wg_x_bytes<BN>() + kWgCodeBytes + wg_side_bytes<FMT>()) +
                           1024 + 2 * wg_stages<BN>() * 8) <= 228 * 1024;
 }
