@@ -698,7 +698,52 @@ def test_codebook_vs_bitsandbytes(quant_type, blocksize, dtype, seed):
             # and only when the peer gave exactly the signed zero.
             flushed = bf16_ftz_cells(ours, peer)
             peer = np.where(flushed, ours, peer)
+        if quant_type == "fp4":  # see test_bnb_fp4_scalar_kernel_negative_zero
+            peer = np.where(bnb_fp4_negzero_cells(packed, ours, peer), ours, peer)
         assert_same(ours, peer, f"{what} dequantize -> {name}", seed, xn, 1, blocksize)
+
+
+def bnb_codes(packed, shape):
+    """bitsandbytes' packed 4-bit codes (element 2j in the HIGH nibble of byte j) -> the
+    (rows, K) array of codes."""
+    pb = np.asarray(packed).reshape(-1)
+    return np.stack([pb >> 4, pb & 0xF], -1).reshape(shape)
+
+
+def bnb_fp4_negzero_cells(packed, ours, peer):
+    """Cells of FP4 code 8 (the table's second zero, +0.0 in get_4bit_type("fp4")) where
+    ours is +0 and the peer -0 (see test_bnb_fp4_scalar_kernel_negative_zero)."""
+    ours, peer = ubits(ours), ubits(peer)
+    sign = np.array(1 << (8 * ours.itemsize - 1), ours.dtype)
+    return (bnb_codes(packed.numpy(), ours.shape) == 8) & (ours == 0) & (peer == sign)
+
+
+@pytest.mark.peers
+def test_bnb_fp4_scalar_kernel_negative_zero():
+    """Not in DESIGN.md: bitsandbytes 0.50 on a CPU without AVX-512 dequantizes FP4 with
+    its scalar C++ kernel, which decodes code 8 (its quantizer's code for small positive
+    values) as 0 * absmax * -1 = -0; its table paths (the AVX-512 kernel, the torch path
+    for blocksize >= 2048) and its code table give +0. We follow the table (+0). This test
+    pins the difference to exactly that sign of zero on the path this machine takes."""
+    x = torch.tensor([[9737.5, 0.015, 0.44, -0.01] + [0.1] * 28], dtype=torch.float32)
+    packed, state = bnbF.quantize_4bit(x, blocksize=32, quant_type="fp4")
+    codes = bnb_codes(packed.numpy(), (1, 32))
+    assert codes[0, 1] == 8 and codes[0, 3] == 0, codes[0, :4]  # small +: code 8, small -: 0
+    code = bnbF.get_4bit_type("fp4", device="cpu")
+    assert not torch.signbit(code[8]), "bitsandbytes' FP4 table now holds -0 for code 8"
+    peer = bnbF.dequantize_4bit(packed, state)
+    q = jax_fp4.quantize(jnp.asarray(x.numpy()), "bnb_fp4", block_size=32)
+    ours = np.asarray(jax_fp4.dequantize(q, jnp.float32))
+    assert (ubits(q.data).reshape(1, -1) == ((packed.numpy() & 0xF) << 4 | packed.numpy() >> 4)
+            .reshape(1, -1)).all()
+    assert not np.signbit(ours[0, 1]) and ours[0, 1] == 0
+    differ = ubits(ours) != ubits(peer.numpy())
+    assert (differ <= bnb_fp4_negzero_cells(packed, ours, peer.numpy())).all()
+    from bitsandbytes.backends.cpu import ops as bnb_cpu_ops
+    if getattr(bnb_cpu_ops, "_has_avx512", True):
+        assert not differ.any(), "the AVX-512 kernel now gives -0 for code 8"
+    else:
+        assert differ[0, 1] and torch.signbit(peer[0, 1]), "the scalar kernel now gives +0"
 
 
 def bf16_ftz_cells(ours, peer):
@@ -715,7 +760,8 @@ def test_bnb_bf16_dequant_flushes_subnormals(quant_type, blocksize, seed):
     """Not in DESIGN.md: bitsandbytes 0.50 dequantize_4bit(dtype=bfloat16) on CPU with
     AVX-512 uses a C++ kernel (blocksize < 2048) whose float32 -> bf16 conversion flushes
     subnormal results to zero (AVX512-BF16 vcvtneps2bf16 is always FTZ); its float32
-    output and its pure-torch path (blocksize >= 2048, or no AVX-512) are exact. We follow
+    output and its other paths (the pure-torch one at blocksize >= 2048; a scalar C++
+    kernel without AVX-512) are asserted to differ from ours only by such flushes. We follow
     the spec: the float32 value rounded to nearest even, subnormals kept."""
     rng = np.random.default_rng(seed)
     fmt = BNB_FORMAT[quant_type]
@@ -731,12 +777,15 @@ def test_bnb_bf16_dequant_flushes_subnormals(quant_type, blocksize, seed):
     ours = ubits(jax_fp4.dequantize(q, jnp.bfloat16))
     st32 = bnbF.QuantState(absmax=state.absmax, shape=state.shape, dtype=torch.float32,
                            blocksize=blocksize, quant_type=quant_type, code=state.code)
-    peer32 = bnbF.dequantize_4bit(packed, st32).numpy()
+    peer32 = bnbF.dequantize_4bit(packed, st32).numpy().astype(ml_dtypes.bfloat16)
+    peer = ubits(bnbF.dequantize_4bit(packed, state))
+    if quant_type == "fp4":  # -0 for code 8: test_bnb_fp4_scalar_kernel_negative_zero
+        peer32 = np.where(bnb_fp4_negzero_cells(packed, ours, peer32), ours, ubits(peer32))
+        peer = np.where(bnb_fp4_negzero_cells(packed, ours, peer), ours, peer)
     # ours == RNE(float32 value), and the float32 values agree with bitsandbytes bit for bit
-    assert_same(ours, peer32.astype(ml_dtypes.bfloat16), "bf16 = RNE(f32 dequantize)", seed)
+    assert_same(ours, peer32, "bf16 = RNE(f32 dequantize)", seed)
     sub = ((ours & 0x7F80) == 0) & ((ours & 0x7F) != 0)
     assert sub[0].sum() > blocksize // 2  # the subnormal row really is subnormal in bf16
-    peer = ubits(bnbF.dequantize_4bit(packed, state))
     assert_same(ours[1:], peer[1:], "bf16 dequantize, normal rows", seed)
     differ = peer != ours
     assert (differ <= bf16_ftz_cells(ours, peer)).all(), (
