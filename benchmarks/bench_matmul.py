@@ -89,27 +89,37 @@ def bench_w4a16(args, roof, rows):
                 print(f"{shape:11s} M={m:5d} {fmt:8s} {path:11s} {t * 1e6:9.1f} us  "
                       f"x{t_bf16 / t:5.2f} vs bf16 (ideal x{floor_bf16 / floor:4.2f})  "
                       f"x{t_ref / t:6.1f} vs ref  {100 * floor / t:5.1f}% of floor", flush=True)
-            # the size rule: the W4A16 paths side by side where they meet
-            if m in args.rule_ms and "nvfp4" in args.formats:
-                saved = (primitives.FUSED_MAX_M, primitives.FUSED_MAX_M_WGMMA,
-                         primitives.wgmma_available)
-                have_wgmma = primitives.wgmma_available()
-                for label, limit, wgmma in (("fused wgmma", 1 << 30, True),
-                                            ("fused mma", 1 << 30, False),
-                                            ("dequant+dot", 0, False)):
-                    if wgmma and not have_wgmma:
-                        continue
-                    primitives.FUSED_MAX_M = primitives.FUSED_MAX_M_WGMMA = limit
-                    primitives.wgmma_available = lambda wgmma=wgmma: wgmma
-                    fn = jax.jit(lambda x, *q: [jf.matmul(x, v) for v in q])
-                    t = timed(fn, (x, *qs["nvfp4"]), r)
-                    rows.append((shape, m, "nvfp4 (rule)", label, t * 1e6, t_bf16 * 1e6,
-                                 t_bf16 / t, float("nan"), float("nan"), float("nan")))
-                    print(f"{shape:11s} M={m:5d} nvfp4 rule {label:11s} {t * 1e6:9.1f} us "
-                          f"x{t_bf16 / t:5.2f} vs bf16", flush=True)
-                (primitives.FUSED_MAX_M, primitives.FUSED_MAX_M_WGMMA,
-                 primitives.wgmma_available) = saved
+            # the size rule: the W4A16 paths side by side where they meet (the wgmma
+            # kernel forced down to M = 1)
+            if m in args.rule_ms:
+                for fmt in args.formats:
+                    bench_rule(shape, m, fmt, x, qs[fmt], r, t_bf16, rows)
         del ws, qs
+
+
+def bench_rule(shape, m, fmt, x, q, r, t_bf16, rows):
+    """One format at one M on each W4A16 path: wgmma kernel, mma.sync kernel, dequantize
+    + dot (rows labelled 'FMT (rule)')."""
+    saved = (primitives.FUSED_MAX_M, primitives.FUSED_MAX_M_WGMMA, primitives.wgmma_available,
+             primitives._WGMMA_MIN_M, primitives._WGMMA_MIN_M_FOLDED)
+    have_wgmma = primitives.wgmma_available()
+    try:
+        for label, limit, wgmma in (("fused wgmma", 1 << 30, True), ("fused mma", 1 << 30, False),
+                                    ("dequant+dot", 0, False)):
+            if wgmma and not have_wgmma:
+                continue
+            primitives.FUSED_MAX_M = primitives.FUSED_MAX_M_WGMMA = limit
+            primitives.wgmma_available = lambda wgmma=wgmma: wgmma
+            primitives._WGMMA_MIN_M = primitives._WGMMA_MIN_M_FOLDED = 1
+            fn = jax.jit(lambda x, *q: [jf.matmul(x, v) for v in q])
+            t = timed(fn, (x, *q), r)
+            rows.append((shape, m, f"{fmt} (rule)", label, t * 1e6, t_bf16 * 1e6,
+                         t_bf16 / t, float("nan"), float("nan"), float("nan")))
+            print(f"{shape:11s} M={m:5d} {fmt} rule {label:11s} {t * 1e6:9.1f} us "
+                  f"x{t_bf16 / t:5.2f} vs bf16", flush=True)
+    finally:
+        (primitives.FUSED_MAX_M, primitives.FUSED_MAX_M_WGMMA, primitives.wgmma_available,
+         primitives._WGMMA_MIN_M, primitives._WGMMA_MIN_M_FOLDED) = saved
 
 
 def bench_scaled(args, rows):
