@@ -418,12 +418,13 @@ def _wmatmul_transpose(ct, x, codes, scales, zeros, ts, **params):
 
 
 # Fused W4A16 CUDA kernel (csrc/cuda/wmatmul.cu) and the size rule, measured on an H100
-# (benchmarks/RESULTS.md, 2026-11-23, device time, nvfp4 8192 x 28672 / 28672 x 8192):
-# - M < 9 (M < 4 for one-level nvfp4 with bf16 x): the direct (mma.sync) kernel, 59-68
-#   us at M = 1; the wgmma kernel (tile 16) loses there, and for mxfp4 / int4 / nf4 up
-#   to M = 8 (80-128 us against 62-94 us direct).
-# - from there to FUSED_MAX_M_WGMMA on sm_90a: the wgmma kernel (nvfp4 M = 4-16: 60-64
-#   us against 63-71 us direct at M = 4-8 and 90-100 us at M = 16; M = 2048: 1.29-1.35
+# (benchmarks/RESULTS.md, 2026-11-23/24, device time, 8192 x 28672 / 28672 x 8192):
+# - M < 9: the direct (mma.sync) kernel, 57-79 us at M = 1 (mxfp4, int4, nf4; the wgmma
+#   kernel, tile 16, is 3-13% slower there for mxfp4 / int4 up to M = 4 and 30-55% for
+#   nf4 up to M = 8) -- except one-level nvfp4 with bf16 x, which takes the wgmma kernel
+#   from M = 1 (59.6-60.3 us against 62.2-67.0 us direct at M = 1-2).
+# - from there to FUSED_MAX_M_WGMMA on sm_90a: the wgmma kernel (nvfp4 M = 4-16: 58-61
+#   us against 62-67 us direct at M = 4-8 and 90-100 us at M = 16; M = 2048: 1.29-1.35
 #   ms against 1.35-1.45 ms for dequantize + dot).
 # - larger M: the CUDA dequantize kernel + XLA's (cuBLAS) bf16 dot (M = 4096: 2.49-2.65
 #   ms against 2.61-2.75 ms fused).
@@ -440,12 +441,14 @@ _FUSED_TARGET = "jax_fp4_wmatmul_v1"
 # sweep (S = 1, 2, 4, 7) at M = 32-128 on the two shapes above was fastest at the
 # smallest S that fills the GPU.
 _FUSED_DIRECT_MAX_M = 16
-# The wgmma kernel from M = 9 (tile_m = 16 up to M = 16), and from M = 4 where it decodes
-# with one multiply per pair (wmatmul_folded). Harness, H100, 8192 x 28672 / 28672 x 8192,
-# wgmma vs direct: one-level nvfp4 bf16 M = 4: 62.0 / 58.3 vs 63.3 / 66.0 us, M = 2: 62.4 /
-# 58.0 vs 60.8 / 63.7; mxfp4, nf4, int4 M = 8: 80-128 vs 62-94 us (benchmarks/NOTES.md).
+# The wgmma kernel from M = 9 (tile_m = 16 up to M = 16), and from M = 1 where it decodes
+# with one multiply per pair (wmatmul_folded). bench_matmul.py --rule-ms 1 2 4 8, H100,
+# 8192 x 28672 / 28672 x 8192, wgmma vs direct (us): one-level nvfp4 bf16 M = 1: 60.2 /
+# 59.6 vs 62.2 / 65.4, M = 2: 60.3 / 60.1 vs 63.6 / 67.0; mxfp4 M = 4: 64.9 / 61.2 vs
+# 62.0 / 59.1; int4 M = 4: 67.9 / 65.3 vs 66.9 / 65.2; nf4 M = 8: 123.7 / 111.2 vs 94.3 /
+# 90.5 (benchmarks/RESULTS.md round 4, table E).
 _WGMMA_MIN_M = 9
-_WGMMA_MIN_M_FOLDED = 4
+_WGMMA_MIN_M_FOLDED = 1
 _FUSED_GEOMETRY = {"direct": (128, 256, 4, 1), "staged": (128, 128, 4, 2),
                    16: (128, 128, 2, 16), 32: (128, 128, 2, 16), 64: (128, 128, 2, 16),
                    128: (128, 128, 1, 16), 256: (128, 128, 1, 16)}
@@ -547,7 +550,7 @@ def wmatmul_folded(fmt, x_dtype, two_level):
 
 
 def wgmma_min_m(folded=False):
-    """The fewest rows of x for which the wgmma kernel runs (where available): 4 where the
+    """The fewest rows of x for which the wgmma kernel runs (where available): 1 where the
     decode is one multiply per pair (`folded`, wmatmul_folded), else 9."""
     return _WGMMA_MIN_M_FOLDED if folded else _WGMMA_MIN_M
 

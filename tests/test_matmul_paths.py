@@ -75,12 +75,12 @@ def test_wmatmul_splits_rule(wgmma):
 
 
 def test_wmatmul_tile_rule():
-    """The wgmma kernel's tiles by M: from M = 9, or from M = 4 where the decode is one
+    """The wgmma kernel's tiles by M: from M = 9, or from M = 1 where the decode is one
     multiply per pair (one-level nvfp4 with bf16 x); tile_m = 16 up to M = 16."""
     tile = primitives.wmatmul_tile_m
     assert [tile(m, wgmma=True) for m in (1, 8, 9, 16, 17, 32, 33, 64, 65, 128, 129, 2048)] == \
         [0, 0, 16, 16, 32, 32, 64, 64, 128, 128, 256, 256]
-    assert [tile(m, wgmma=True, folded=True) for m in (1, 3, 4, 8, 9)] == [0, 0, 16, 16, 16]
+    assert [tile(m, wgmma=True, folded=True) for m in (1, 3, 4, 8, 9, 17)] == [16] * 5 + [32]
     assert tile(64, wgmma=False, folded=True) == 0
     folded = primitives.wmatmul_folded
     assert folded("nvfp4", jnp.bfloat16, 0)
