@@ -674,10 +674,7 @@ def test_codebook_vs_bitsandbytes(quant_type, blocksize, dtype, seed):
     packed, state = bnbF.quantize_4bit(to_torch(xn), blocksize=blocksize,
                                        quant_type=quant_type)
     q = jax_fp4.quantize(jnp.asarray(xn), fmt, block_size=blocksize)
-    # bitsandbytes: element 2j in the HIGH nibble of byte j, flattened row-major
-    pb = packed.numpy().reshape(-1)
-    peer_codes = ((pb & 0xF) << 4) | (pb >> 4)
-    assert_same(ubits(q.data).reshape(rows, -1), peer_codes.reshape(rows, -1),
+    assert_same(ubits(q.data).reshape(rows, -1), bnb_as_our_packing(packed).reshape(rows, -1),
                 f"{what} codes", seed, xn, 2, blocksize)
     assert_same(np.asarray(q.scales).reshape(rows, -1),
                 state.absmax.numpy().reshape(rows, -1), f"{what} absmax", seed, xn,
@@ -701,6 +698,13 @@ def test_codebook_vs_bitsandbytes(quant_type, blocksize, dtype, seed):
         if quant_type == "fp4":  # see test_bnb_fp4_scalar_kernel_negative_zero
             peer = np.where(bnb_fp4_negzero_cells(packed, ours, peer), ours, peer)
         assert_same(ours, peer, f"{what} dequantize -> {name}", seed, xn, 1, blocksize)
+
+
+def bnb_as_our_packing(packed):
+    """bitsandbytes' packed bytes (element 2j in the HIGH nibble of byte j, flattened
+    row-major) -> ours (element 2j in the low nibble), flat uint8."""
+    pb = np.asarray(packed).reshape(-1)
+    return ((pb & 0xF) << 4) | (pb >> 4)
 
 
 def bnb_codes(packed, shape):
@@ -734,8 +738,7 @@ def test_bnb_fp4_scalar_kernel_negative_zero():
     peer = bnbF.dequantize_4bit(packed, state)
     q = jax_fp4.quantize(jnp.asarray(x.numpy()), "bnb_fp4", block_size=32)
     ours = np.asarray(jax_fp4.dequantize(q, jnp.float32))
-    assert (ubits(q.data).reshape(1, -1) == ((packed.numpy() & 0xF) << 4 | packed.numpy() >> 4)
-            .reshape(1, -1)).all()
+    assert (ubits(q.data).reshape(-1) == bnb_as_our_packing(packed.numpy())).all()
     assert not np.signbit(ours[0, 1]) and ours[0, 1] == 0
     differ = ubits(ours) != ubits(peer.numpy())
     assert (differ <= bnb_fp4_negzero_cells(packed, ours, peer.numpy())).all()
