@@ -127,8 +127,8 @@ def test_fused_wmatmul_matches_reference(fmt, bs, kw, dtype, family, rng, monkey
 # The size rule gives the wgmma kernel K-splits only for >= 16 steps per split, which the
 # small shapes above never reach; the big-shape benchmarks run S = 2 and 4. Forced here:
 # K = 1056 is 9 steps of 128, so S = 2 / 4 / 5 split them 5+4 / 3+3+3+0 (an empty split)
-# / 2+2+2+2+1, at each tile width (BN = 16 / 32 / 64 / 128 with the stage release, 256
-# in lockstep) and through the bit and table decode paths.
+# / 2+2+2+2+1, at each tile width (BN = 16 / 32 / 64 / 128 refilled by thread 0, 256 by
+# the producer warpgroup) and through the bit and table decode paths.
 @pytest.mark.parametrize("splits", [2, 4, 5])
 @pytest.mark.parametrize("fmt,bs,kw,dtype", [W_CASES[0], W_CASES[1], W_CASES[3], W_CASES[7]],
                          ids=str)
@@ -208,7 +208,8 @@ def test_wmatmul_grad_and_large_m_path(rng):
     wd = np.asarray(q.dequantize(jnp.bfloat16), np.float32)
     np.testing.assert_allclose(np.asarray(g, np.float32)[0], wd.sum(1), rtol=1e-2, atol=1e-2)
     # the size rule: fused up to its limit, dequantize kernel + XLA dot past it
-    limit = (primitives.FUSED_MAX_M_WGMMA if primitives.wgmma_available()
+    folded = primitives.wmatmul_folded("nvfp4", jnp.bfloat16, q.tensor_scale is not None)
+    limit = (primitives.wgmma_max_m(folded) if primitives.wgmma_available()
              else primitives.FUSED_MAX_M)
     for m, fused in ((limit, True), (limit + 1, False)):
         xm = jax.device_put(jnp.zeros((m, k), jnp.bfloat16), _gpu())

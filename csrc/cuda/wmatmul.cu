@@ -775,16 +775,20 @@ __global__ void __launch_bounds__(kWarps * 32, 4) wmatmul_direct_kernel(
 // CTA re-reads, last (without them the codes pushed x out of L2 and the kernel read 31%
 // more DRAM bytes than the weight; benchmarks/NOTES.md, round 3). A
 // warpgroup keeps one wgmma group in flight across steps, so the stage of step s - 1
-// may still be read during step s. Thread 0 refills the stages in one of two ways
-// (wg_lockstep<BN>, chosen by measurement):
-//  - release (BN <= 128): once a warp's first wgmma group of step s is issued and the
-//    group before it done, the warp is done with step s - 1 and arrives on that stage's
-//    `empty` mbarrier; thread 0 waits for all eight, then copies step s - 1 + stages
-//    into it. No CTA barrier: the warpgroups drift apart, and the copies run up to
-//    stages - 1 steps ahead (M = 16..128: 4-14% faster than lockstep).
-//  - lockstep (BN = 256): a CTA barrier at the top of step s (by which both warpgroups
-//    have finished with step s - 2), then thread 0 copies step s + stages - 2 into the
-//    stage of step s - 2 (M = 256..1024: release was 6-12% slower here).
+// may still be read during step s. Once a warp's first wgmma group of step s is issued
+// and the group before it done, the warp is done with step s - 1 and arrives on that
+// stage's `empty` mbarrier; the stage is refilled with step s - 1 + stages once all eight
+// have (no CTA barrier: the warpgroups drift apart, and the copies run up to stages - 1
+// steps ahead). Who refills (wg_producer<BN>, chosen by measurement):
+//  - BN <= 128: thread 0, between its own wgmma groups (M = 16..128: 4-14% faster than a
+//    CTA barrier per step; a producer warpgroup was 3-10% slower at BN = 128).
+//  - BN = 256: a third, producer warpgroup (CUTLASS's warp-specialized kernels): one
+//    lane waits on the `empty` barriers and issues the copies, its warpgroup gives its
+//    registers to the two consumer warpgroups (setmaxnreg 40 / 232), leaves after its
+//    last copy, and the consumers' epilogue synchronises on named barrier 1. Against a
+//    CTA barrier per step with only stages - 2 = 1 step of copies ahead (three stages of
+//    72 KB fill the SM), M = 1024 on 8192 x 28672: nvfp4 645 -> 602, mxfp4 890 -> 733,
+//    int4 890 -> 767 us (benchmarks/NOTES.md, round 5).
 // Each lane reads its two 16-byte code chunks of a step from the stage (a warp reads 512
 // contiguous bytes). (Against codes loaded by the lanes into registers: mxfp4, nf4, int4
 // 2-9% faster at M = 8..1024, nvfp4 within 2% at M <= 64 and 2-3% slower at M >= 256;
@@ -808,8 +812,11 @@ __host__ __device__ constexpr int wg_stages() { return BN >= 256 ? 3 : 4; }
 // than 1; without the .L2::128B line prefetch, 2-4 were no faster)
 template <int BN>
 __host__ __device__ constexpr int wg_depth() { return BN >= 128 ? 1 : 2; }
-template <int BN>  // how the stages are refilled (see Pipeline above)
-__host__ __device__ constexpr bool wg_lockstep() { return BN >= 256; }
+template <int BN>  // a third warpgroup that only refills the stages (see Pipeline above)
+__host__ __device__ constexpr bool wg_producer() { return BN >= 256; }
+template <int BN>  // threads per CTA: two warpgroups (+ the producer warpgroup)
+__host__ __device__ constexpr int wg_threads() { return kWgThreads + (wg_producer<BN>() ? 128 : 0); }
+constexpr int kWgProducerRegs = 40, kWgConsumerRegs = 232;  // 128 x 40 + 256 x 232 <= 64K
 template <int BN>  // code words (of each of a lane's two rows) decoded per wgmma group:
 __host__ __device__ constexpr int wg_words() { return BN >= 256 ? 1 : 2; }
 // L2 cache policies (CUTLASS's CacheHintSm90): the activations, which every CTA re-reads,
@@ -900,14 +907,14 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
 }
 
 template <int FMT, bool BF16, bool BITS, int BN>
-__global__ void __launch_bounds__(kWgThreads, wg_ctas<BN>()) wmatmul_wgmma_kernel(
+__global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma_kernel(
     const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap w_map,
     const __grid_constant__ CUtensorMap s_map, const __grid_constant__ CUtensorMap z_map,
     const uint8_t* __restrict__ codes, const void* __restrict__ scales, const uint8_t* __restrict__ zeros,
     const float* __restrict__ ts, void* __restrict__ out, const WParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kStages = wg_stages<BN>();
-  constexpr bool kLockstep = wg_lockstep<BN>();
+  constexpr bool kProducer = wg_producer<BN>();
   constexpr int kWords = wg_words<BN>();
   constexpr int kStage = wg_stage_bytes<FMT, BITS, BN>();
   constexpr int kPipe = kStages * kStage;
@@ -927,7 +934,7 @@ __global__ void __launch_bounds__(kWgThreads, wg_ctas<BN>()) wmatmul_wgmma_kerne
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   const uint32_t copy = lane & (kStagedCopies - 1);
-  if constexpr (!BITS) fill_table<FMT, kStagedCopies>(table, tid, kWgThreads);
+  if constexpr (!BITS) if (tid < kWgThreads) fill_table<FMT, kStagedCopies>(table, tid, kWgThreads);
   if (tid == 0) {
 #pragma unroll
     for (int i = 0; i < kStages; ++i) {
@@ -1014,10 +1021,32 @@ __global__ void __launch_bounds__(kWgThreads, wg_ctas<BN>()) wmatmul_wgmma_kerne
 
   float acc[BN / 2];
   zero<BN / 2>(acc);
+  // the eight consumer warps (all of the CTA but the producer warpgroup, which has left)
+  auto consumer_sync = [] {
+    if constexpr (wg_producer<BN>()) asm volatile("bar.sync 1, %0;\n" ::"n"(kWgThreads) : "memory");
+    else __syncthreads();
+  };
 
   __syncthreads();  // barriers initialised (and the decode table filled)
-  if (tid == 0) {
-    for (int i = 0; i < (kLockstep ? kStages - 2 : kStages); ++i)
+  if constexpr (kProducer) {
+    if (warp >= kWgThreads / 32) {  // the producer warpgroup: one lane refills each stage
+      asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kWgProducerRegs));
+      if (tid == kWgThreads) {  // once the eight consumer warps released its previous step
+        uint32_t j = 0, use = 0;
+        for (int step = step_begin; step < step_end; ++step) {
+          if (use > 0) mbar_wait(empty_addr + 8 * j, (use - 1) & 1u);
+          stage_step(step, j);
+          if (++j == kStages) {
+            j = 0;
+            ++use;
+          }
+        }
+      }
+      return;  // the consumers' epilogue synchronises on named barrier 1
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kWgConsumerRegs));
+  } else if (tid == 0) {
+    for (int i = 0; i < kStages; ++i)
       if (step_begin + i < step_end) stage_step(step_begin + i, i);
   }
   // the scales of the next kDepth steps, in a ring indexed at compile time (the step loop
@@ -1043,11 +1072,6 @@ __global__ void __launch_bounds__(kWgThreads, wg_ctas<BN>()) wmatmul_wgmma_kerne
     if (step >= step_end) break;
     Chunk cur[2] = {ring[u][0], ring[u][1]};
     if (!boxes && step + kDepth < step_end) load_step(ring[u], step + kDepth);
-    if constexpr (kLockstep) {
-      __syncthreads();  // every warp is done with step - 2
-      if (tid == 0 && step + kStages - 2 < step_end)
-        stage_step(step + kStages - 2, js >= 2 ? js - 2 : js + kStages - 2);
-    }
     // descriptor of the stage; a k16 slice adds its byte offset / 16 to the address field
     // (addresses stay below 2^18, so the 14-bit field never carries)
     const uint64_t desc = desc0 + js * (kStage >> 4);
@@ -1106,13 +1130,13 @@ __global__ void __launch_bounds__(kWgThreads, wg_ctas<BN>()) wmatmul_wgmma_kerne
       }
       wgmma_commit();
       wgmma_wait<1>();
-      if (!kLockstep && w0 == 0 && step > step_begin) {
+      if (w0 == 0 && step > step_begin) {
         // this warp is done with step - 1 (only the group just issued is in flight):
         // release its stage; thread 0 refills it once every warp has
         const uint32_t jp = js ? js - 1 : kStages - 1, pp = js ? par : par ^ 1u;
         if (lane == 0)
           asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n"::"r"(empty_addr + 8 * jp) : "memory");
-        if (tid == 0 && step - 1 + kStages < step_end) {
+        if (!kProducer && tid == 0 && step - 1 + kStages < step_end) {
           mbar_wait(empty_addr + 8 * jp, pp);
           stage_step(step - 1 + kStages, jp);
         }
@@ -1125,7 +1149,7 @@ __global__ void __launch_bounds__(kWgThreads, wg_ctas<BN>()) wmatmul_wgmma_kerne
   }
   wgmma_wait<0>();
   fence_regs<BN / 2>(acc);
-  __syncthreads();  // the pipeline's shared memory becomes the epilogue's
+  consumer_sync();  // the pipeline's shared memory becomes the epilogue's
 
   // accumulator (wgmma D fragment): acc[4 j + 2 h + e] = (weight row g + 8 h of the
   // warp's 16, activation row 8 j + 2 t + e)
@@ -1138,7 +1162,7 @@ __global__ void __launch_bounds__(kWgThreads, wg_ctas<BN>()) wmatmul_wgmma_kerne
 #pragma unroll
       for (int e = 0; e < 2; ++e)
         tile[(8 * j + 2 * t + e) * kOutStride + wrow + 8 * h] = acc[4 * j + 2 * h + e] * scale;
-  __syncthreads();
+  consumer_sync();
   const int64_t z_off = static_cast<int64_t>(blockIdx.z) * p.M * p.N;
   for (int idx = tid; idx < BN * kWgRows; idx += kWgThreads) {
     const int m = idx / kWgRows, n = idx % kWgRows;
@@ -1253,7 +1277,7 @@ cudaError_t launch_wgmma(cudaStream_t stream, const uint16_t* xp, const uint8_t*
   }
   const int64_t tiles = ((p.M + BN - 1) / BN) * ((p.N + kWgRows - 1) / kWgRows);
   const dim3 grid(static_cast<unsigned>(tiles), 1, static_cast<unsigned>(splits));
-  kernel<<<grid, kWgThreads, kSmem, stream>>>(x_map, w_map, s_map, z_map, cp, sp, zp, tp, out, q);
+  kernel<<<grid, wg_threads<BN>(), kSmem, stream>>>(x_map, w_map, s_map, z_map, cp, sp, zp, tp, out, q);
   return cudaGetLastError();
 }
 
