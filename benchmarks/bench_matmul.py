@@ -100,8 +100,9 @@ def bench_w4a16(args, roof, rows):
 def bench_rule(shape, m, fmt, x, q, r, t_bf16, rows):
     """One format at one M on each W4A16 path: wgmma kernel, mma.sync kernel, dequantize
     + dot (rows labelled 'FMT (rule)')."""
-    saved = (primitives.FUSED_MAX_M, primitives.FUSED_MAX_M_WGMMA, primitives.wgmma_available,
-             primitives._WGMMA_MIN_M, primitives._WGMMA_MIN_M_FOLDED)
+    names = ("FUSED_MAX_M", "FUSED_MAX_M_WGMMA", "FUSED_MAX_M_WGMMA_FOLDED", "wgmma_available",
+             "_WGMMA_MIN_M", "_WGMMA_MIN_M_FOLDED")
+    saved = [getattr(primitives, a) for a in names]
     have_wgmma = primitives.wgmma_available()
     try:
         for label, limit, wgmma in (("fused wgmma", 1 << 30, True), ("fused mma", 1 << 30, False),
@@ -109,6 +110,7 @@ def bench_rule(shape, m, fmt, x, q, r, t_bf16, rows):
             if wgmma and not have_wgmma:
                 continue
             primitives.FUSED_MAX_M = primitives.FUSED_MAX_M_WGMMA = limit
+            primitives.FUSED_MAX_M_WGMMA_FOLDED = limit
             primitives.wgmma_available = lambda wgmma=wgmma: wgmma
             primitives._WGMMA_MIN_M = primitives._WGMMA_MIN_M_FOLDED = 1
             fn = jax.jit(lambda x, *q: [jf.matmul(x, v) for v in q])
@@ -118,8 +120,8 @@ def bench_rule(shape, m, fmt, x, q, r, t_bf16, rows):
             print(f"{shape:11s} M={m:5d} {fmt} rule {label:11s} {t * 1e6:9.1f} us "
                   f"x{t_bf16 / t:5.2f} vs bf16", flush=True)
     finally:
-        (primitives.FUSED_MAX_M, primitives.FUSED_MAX_M_WGMMA, primitives.wgmma_available,
-         primitives._WGMMA_MIN_M, primitives._WGMMA_MIN_M_FOLDED) = saved
+        for a, v in zip(names, saved):
+            setattr(primitives, a, v)
 
 
 def bench_scaled(args, rows):

@@ -423,17 +423,21 @@ def _wmatmul_transpose(ct, x, codes, scales, zeros, ts, **params):
 #   kernel, tile 16, is 3-13% slower there for mxfp4 / int4 up to M = 4 and 30-55% for
 #   nf4 up to M = 8) -- except one-level nvfp4 with bf16 x, which takes the wgmma kernel
 #   from M = 1 (59.6-60.3 us against 62.2-67.0 us direct at M = 1-2).
-# - from there to FUSED_MAX_M_WGMMA on sm_90a: the wgmma kernel (nvfp4 M = 4-16: 58-61
-#   us against 62-67 us direct at M = 4-8 and 90-100 us at M = 16; M = 2048: 1.29-1.35
-#   ms against 1.35-1.45 ms for dequantize + dot).
+# - from there to wgmma_max_m on sm_90a: the wgmma kernel (nvfp4 M = 4-16: 58-61 us
+#   against 62-67 us direct at M = 4-8 and 90-100 us at M = 16). Up to M = 2048 for
+#   one-level nvfp4 with bf16 x (M = 2048: 1.38 / 1.28 ms against 1.47 / 1.37 ms for
+#   dequantize + dot), up to M = 1024 for the rest (M = 1024: mxfp4 0.75 / 0.74, int4
+#   0.79 / 0.76, nf4 0.82 / 0.80 ms fused against 0.83-0.90 ms; M = 2048: 1.60-1.67 ms
+#   fused against 1.46-1.56 ms; bench_matmul.py --rule-ms 1024 2048, RESULTS.md round 5).
 # - larger M: the CUDA dequantize kernel + XLA's (cuBLAS) bf16 dot (M = 4096: 2.49-2.65
-#   ms against 2.61-2.75 ms fused).
+#   ms against 2.61-2.75 ms fused, nvfp4).
 # - without wgmma (other GPUs, or a build without sm_90a): the mma.sync kernels up to
 #   FUSED_MAX_M (M = 64: 0.15-0.18 ms, about the bf16 dot; at M = 256 they lose to
 #   dequantize + dot), then dequantize + dot.
 FUSED_FORMATS = ("nvfp4", "mxfp4", "nf4", "bnb_fp4", "int4")
 FUSED_MAX_M = 64
-FUSED_MAX_M_WGMMA = 2048
+FUSED_MAX_M_WGMMA = 1024
+FUSED_MAX_M_WGMMA_FOLDED = 2048
 _FUSED_TARGET = "jax_fp4_wmatmul_v1"
 # (rows per CTA, k per super-step, resident CTAs per SM, fewest super-steps per split) of
 # the direct kernel (M <= 16), the staged kernel and the wgmma kernel by tile_m
@@ -493,12 +497,13 @@ def wmatmul_splits(m, n, k, sms=None, tile_m=0):
 
 def fused_wmatmul_applies(avals_in, params):
     """Whether the fused kernel covers this call: x bf16/f16 with 1 <= M <= FUSED_MAX_M
-    (FUSED_MAX_M_WGMMA where the wgmma kernel runs), a 4-bit weight format, K % 32 == 0
-    and a power-of-two block_size >= 16."""
+    (wgmma_max_m where the wgmma kernel runs), a 4-bit weight format, K % 32 == 0 and a
+    power-of-two block_size >= 16."""
     x, codes = avals_in[0], avals_in[1]
     m, k = x.shape
     bs = params["block_size"]
-    max_m = FUSED_MAX_M_WGMMA if wmatmul_tile_m(m) else FUSED_MAX_M
+    folded = wmatmul_folded(params["fmt"], x.dtype, params["two_level"])
+    max_m = wgmma_max_m(folded) if wmatmul_tile_m(m, folded=folded) else FUSED_MAX_M
     return (np.dtype(x.dtype) in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
             and params["fmt"] in FUSED_FORMATS and 1 <= m <= max_m
             and codes.shape[0] >= 1 and k % 32 == 0 and bs >= 16 and bs & (bs - 1) == 0)
@@ -553,6 +558,13 @@ def wgmma_min_m(folded=False):
     """The fewest rows of x for which the wgmma kernel runs (where available): 1 where the
     decode is one multiply per pair (`folded`, wmatmul_folded), else 9."""
     return _WGMMA_MIN_M_FOLDED if folded else _WGMMA_MIN_M
+
+
+def wgmma_max_m(folded=False):
+    """The most rows of x for which the wgmma kernel runs (where available; beyond it,
+    dequantize + dot): FUSED_MAX_M_WGMMA_FOLDED where the decode is one multiply per pair
+    (`folded`, wmatmul_folded), else FUSED_MAX_M_WGMMA."""
+    return FUSED_MAX_M_WGMMA_FOLDED if folded else FUSED_MAX_M_WGMMA
 
 
 def wmatmul_tile_m(m, wgmma=None, folded=False):

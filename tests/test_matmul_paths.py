@@ -91,22 +91,30 @@ def test_wmatmul_tile_rule():
 
 @pytest.mark.parametrize("wgmma", [False, True])
 def test_fused_wmatmul_size_rule(wgmma, monkeypatch):
-    """Fused up to FUSED_MAX_M, or FUSED_MAX_M_WGMMA where the wgmma kernel runs (pinned
-    either way, so the test means the same on every machine)."""
+    """Fused up to FUSED_MAX_M, or wgmma_max_m where the wgmma kernel runs: further for
+    one-level nvfp4 with bf16 x (folded) than for the other formats (pinned either way, so
+    the test means the same on every machine)."""
     monkeypatch.setattr(primitives, "wgmma_available", lambda: wgmma)
 
     def avals(m, k, dtype=jnp.bfloat16):
         return (jax.core.ShapedArray((m, k), dtype), jax.core.ShapedArray((64, k // 2), np.uint8))
 
     ok = primitives.fused_wmatmul_applies
-    max_m = primitives.FUSED_MAX_M_WGMMA if wgmma else primitives.FUSED_MAX_M
-    assert ok(avals(1, 256), dict(fmt="nvfp4", block_size=16))
-    assert ok(avals(max_m, 256), dict(fmt="int4", block_size=128))
-    assert not ok(avals(max_m + 1, 256), dict(fmt="nvfp4", block_size=16))
-    assert not ok(avals(4, 256, jnp.float32), dict(fmt="nvfp4", block_size=16))
-    assert not ok(avals(4, 48), dict(fmt="nvfp4", block_size=16))  # K % 32
-    assert not ok(avals(4, 288), dict(fmt="int4", block_size=48))  # odd group size
-    assert not ok(avals(4, 256), dict(fmt="mxfp8_e4m3", block_size=32))  # 8-bit weights
+    max_m = primitives.wgmma_max_m(folded=False) if wgmma else primitives.FUSED_MAX_M
+    max_f = primitives.wgmma_max_m(folded=True) if wgmma else primitives.FUSED_MAX_M
+    assert max_f > max_m if wgmma else max_f == max_m
+    nv, nv2 = (dict(fmt="nvfp4", block_size=16, two_level=t) for t in (False, True))
+    int4 = dict(fmt="int4", block_size=128, two_level=False)
+    assert ok(avals(1, 256), nv)
+    assert ok(avals(max_m, 256), int4) and not ok(avals(max_m + 1, 256), int4)
+    assert ok(avals(max_m, 256), nv2) and not ok(avals(max_m + 1, 256), nv2)
+    assert ok(avals(max_f, 256), nv) and not ok(avals(max_f + 1, 256), nv)
+    assert ok(avals(max_m, 256, jnp.float16), dict(nv, block_size=16))
+    assert not ok(avals(max_m + 1, 256, jnp.float16), nv)  # f16 x: not folded
+    assert not ok(avals(4, 256, jnp.float32), nv)
+    assert not ok(avals(4, 48), nv)  # K % 32
+    assert not ok(avals(4, 288), dict(int4, block_size=48))  # odd group size
+    assert not ok(avals(4, 256), dict(fmt="mxfp8_e4m3", block_size=32, two_level=False))
 
 
 @pytest.mark.parametrize("a_fmt,b_fmt", [("nvfp4", "nvfp4"), ("mxfp8_e4m3", "mxfp8_e5m2"),
