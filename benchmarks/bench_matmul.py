@@ -109,8 +109,8 @@ def bench_rule(shape, m, fmt, x, q, r, t_bf16, rows):
                                     ("dequant+dot", 0, False)):
             if wgmma and not have_wgmma:
                 continue
-            primitives.FUSED_MAX_M = primitives.FUSED_MAX_M_WGMMA = limit
-            primitives.FUSED_MAX_M_WGMMA_FOLDED = limit
+            primitives.FUSED_MAX_M = primitives.FUSED_MAX_M_WGMMA_FOLDED = limit
+            primitives.FUSED_MAX_M_WGMMA = dict.fromkeys(primitives.FUSED_FORMATS, limit)
             primitives.wgmma_available = lambda wgmma=wgmma: wgmma
             primitives._WGMMA_MIN_M = primitives._WGMMA_MIN_M_FOLDED = 1
             fn = jax.jit(lambda x, *q: [jf.matmul(x, v) for v in q])

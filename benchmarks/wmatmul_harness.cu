@@ -9,9 +9,10 @@
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Icsrc \
 //        -I$(python3 -c "import jax.ffi; print(jax.ffi.include_dir())") \
 //        -diag-suppress 940,2473 benchmarks/wmatmul_harness.cu -o wmatmul_harness
-//   ./wmatmul_harness FMT K N M TILE_M SPLITS [REPS]   FMT: nvfp4 mxfp4 nf4 int4;
+//   ./wmatmul_harness FMT K N M TILE_M SPLITS [REPS [CLUSTER]]   FMT: nvfp4 mxfp4 nf4 int4;
 //        TILE_M 0 = the mma.sync kernels, 32/64/128/256 = the wgmma kernel; SPLITS as
-//        jax_fp4.primitives.wmatmul_splits(M, N, K, sms, TILE_M) gives them
+//        jax_fp4.primitives.wmatmul_splits(M, N, K, sms, TILE_M) gives them; CLUSTER 2:
+//        TILE_M 256 in 2-CTA clusters that multicast x (primitives.wmatmul_cluster)
 //   ./wmatmul_harness roof                             read-only stream and D2D copy
 //   ncu --set full -k regex:wmatmul --launch-skip 3 --launch-count 1 -o rep \
 //        ./wmatmul_harness nvfp4 8192 28672 16 32 1 5
@@ -105,7 +106,7 @@ int main(int argc, char** argv) {
   using namespace jf4::cuda;
   if (argc >= 2 && std::strcmp(argv[1], "roof") == 0) return roof();
   if (argc < 7) {
-    std::fprintf(stderr, "usage: %s FMT K N M TILE_M SPLITS [REPS] | roof\n", argv[0]);
+    std::fprintf(stderr, "usage: %s FMT K N M TILE_M SPLITS [REPS [CLUSTER]] | roof\n", argv[0]);
     return 2;
   }
   const std::string fmt_name = argv[1];
@@ -113,6 +114,7 @@ int main(int argc, char** argv) {
   const int64_t tile_m = std::atoll(argv[5]);
   const int splits = std::atoi(argv[6]);
   const int reps = argc > 7 ? std::atoi(argv[7]) : 20;
+  const int cluster = argc > 8 ? std::atoi(argv[8]) : 1;
   int fmt, bs, esize;
   if (fmt_name == "nvfp4") fmt = kNVFP4, bs = 16, esize = 1;
   else if (fmt_name == "mxfp4") fmt = kMXFP4, bs = 32, esize = 1;
@@ -130,6 +132,7 @@ int main(int argc, char** argv) {
   p.two_level = 0;
   p.st = kScaleBF16;
   p.out_f32 = splits > 1;
+  p.cluster = cluster;
 
   const size_t code_bytes = size_t(N) * K / 2, scale_bytes = size_t(N) * p.nb * esize;
   const size_t per_copy = code_bytes + scale_bytes + size_t(N) * p.nb;
@@ -179,8 +182,8 @@ int main(int argc, char** argv) {
   const float us = time_us(launch_one, reps);
   CK(cudaDeviceSynchronize());
   const double floor_bytes = double(per_copy - (fmt == kINT4 ? 0 : size_t(N) * p.nb));
-  std::printf("%s K=%lld N=%lld M=%lld tile_m=%lld splits=%d: %.1f us, %.0f GB/s of weight\n",
+  std::printf("%s K=%lld N=%lld M=%lld tile_m=%lld splits=%d cluster=%d: %.1f us, %.0f GB/s of weight\n",
               fmt_name.c_str(), (long long)K, (long long)N, (long long)M, (long long)tile_m,
-              splits, us, floor_bytes / us / 1e3);
+              splits, cluster, us, floor_bytes / us / 1e3);
   return 0;
 }

@@ -424,20 +424,24 @@ def _wmatmul_transpose(ct, x, codes, scales, zeros, ts, **params):
 #   nf4 up to M = 8) -- except one-level nvfp4 with bf16 x, which takes the wgmma kernel
 #   from M = 1 (59.6-60.3 us against 62.2-67.0 us direct at M = 1-2).
 # - from there to wgmma_max_m on sm_90a: the wgmma kernel (nvfp4 M = 4-16: 58-61 us
-#   against 62-67 us direct at M = 4-8 and 90-100 us at M = 16). Up to M = 2048 for
-#   one-level nvfp4 with bf16 x (M = 2048: 1.38 / 1.28 ms against 1.47 / 1.37 ms for
-#   dequantize + dot), up to M = 1024 for the rest (M = 1024: mxfp4 0.75 / 0.74, int4
-#   0.79 / 0.76, nf4 0.82 / 0.80 ms fused against 0.83-0.90 ms; M = 2048: 1.60-1.67 ms
-#   fused against 1.46-1.56 ms; bench_matmul.py --rule-ms 1024 2048, RESULTS.md round 5).
-# - larger M: the CUDA dequantize kernel + XLA's (cuBLAS) bf16 dot (M = 4096: 2.49-2.65
-#   ms against 2.61-2.75 ms fused, nvfp4).
+#   against 62-67 us direct at M = 4-8 and 90-100 us at M = 16). How far, per format
+#   (fused wgmma against dequantize + dot, ms, bench_matmul.py --rule-ms 1024 2048 4096,
+#   RESULTS.md round 6; from M = 512-2048 the kernel multicasts x, wmatmul_cluster):
+#   - one-level nvfp4 with bf16 x (folded): up to M = 4096 (M = 4096: 2.59 / 2.44
+#     against 2.65 / 2.49; M = 2048: 1.30 / 1.20 against 1.44 / 1.35).
+#   - mxfp4, int4: up to M = 2048 (M = 2048: mxfp4 1.40 / 1.28 against 1.45 / 1.36, int4
+#     1.47 / 1.34 against 1.53 / 1.43; M = 4096: mxfp4 2.83 / 2.63 against 2.67 / 2.53,
+#     int4 2.95 / 2.71 against 2.85 / 2.67).
+#   - nf4, bnb_fp4 (table decode) and the rest of nvfp4: up to M = 1024 (M = 1024: nf4
+#     0.81 / 0.78 against 0.88 / 0.82; M = 2048: 1.65 / 1.57 against 1.53 / 1.44).
+# - larger M: the CUDA dequantize kernel + XLA's (cuBLAS) bf16 dot.
 # - without wgmma (other GPUs, or a build without sm_90a): the mma.sync kernels up to
 #   FUSED_MAX_M (M = 64: 0.15-0.18 ms, about the bf16 dot; at M = 256 they lose to
 #   dequantize + dot), then dequantize + dot.
 FUSED_FORMATS = ("nvfp4", "mxfp4", "nf4", "bnb_fp4", "int4")
 FUSED_MAX_M = 64
-FUSED_MAX_M_WGMMA = 1024
-FUSED_MAX_M_WGMMA_FOLDED = 2048
+FUSED_MAX_M_WGMMA = {"nvfp4": 1024, "mxfp4": 2048, "nf4": 1024, "bnb_fp4": 1024, "int4": 2048}
+FUSED_MAX_M_WGMMA_FOLDED = 4096
 _FUSED_TARGET = "jax_fp4_wmatmul_v1"
 # (rows per CTA, k per super-step, resident CTAs per SM, fewest super-steps per split) of
 # the direct kernel (M <= 16), the staged kernel and the wgmma kernel by tile_m
@@ -503,9 +507,11 @@ def fused_wmatmul_applies(avals_in, params):
     m, k = x.shape
     bs = params["block_size"]
     folded = wmatmul_folded(params["fmt"], x.dtype, params["two_level"])
-    max_m = wgmma_max_m(folded) if wmatmul_tile_m(m, folded=folded) else FUSED_MAX_M
+    if params["fmt"] not in FUSED_FORMATS:
+        return False
+    max_m = wgmma_max_m(params["fmt"], folded) if wmatmul_tile_m(m, folded=folded) else FUSED_MAX_M
     return (np.dtype(x.dtype) in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
-            and params["fmt"] in FUSED_FORMATS and 1 <= m <= max_m
+            and 1 <= m <= max_m
             and codes.shape[0] >= 1 and k % 32 == 0 and bs >= 16 and bs & (bs - 1) == 0)
 
 
@@ -560,11 +566,34 @@ def wgmma_min_m(folded=False):
     return _WGMMA_MIN_M_FOLDED if folded else _WGMMA_MIN_M
 
 
-def wgmma_max_m(folded=False):
-    """The most rows of x for which the wgmma kernel runs (where available; beyond it,
-    dequantize + dot): FUSED_MAX_M_WGMMA_FOLDED where the decode is one multiply per pair
-    (`folded`, wmatmul_folded), else FUSED_MAX_M_WGMMA."""
-    return FUSED_MAX_M_WGMMA_FOLDED if folded else FUSED_MAX_M_WGMMA
+def wgmma_max_m(fmt, folded=False):
+    """The most rows of x for which the wgmma kernel runs for weight format `fmt` (where
+    available; beyond it, dequantize + dot): FUSED_MAX_M_WGMMA_FOLDED where the decode is
+    one multiply per pair (`folded`, wmatmul_folded), else FUSED_MAX_M_WGMMA[fmt]."""
+    return FUSED_MAX_M_WGMMA_FOLDED if folded else FUSED_MAX_M_WGMMA[fmt]
+
+
+# The wgmma kernel at tile_m = 256 in clusters of two CTAs on adjacent weight tiles that
+# share x's tile, each copying half of it into both (TMA multicast): half the L2 reads of
+# x, at the cost of the pair waiting for each other every step. From _MULTICAST_MIN_M
+# rows of x, where it was faster (harness, H100, 8192 x 28672 / 28672 x 8192, 1 CTA vs 2
+# per cluster, us; benchmarks/NOTES.md round 6):
+# - mxfp4: M = 512 395 / 335 -> 387 / 315, M = 1024 762 / 743 -> 672 / 613, M = 2048
+#   1629 / 1590 -> 1355 / 1208; int4: M = 512 399 / 342 -> 399 / 332, M = 1024 765 / 731
+#   -> 697 / 644, M = 2048 1608 / 1543 -> 1408 / 1263.
+# - nvfp4 (one-level, bf16 x): M = 1024 601 / 548 -> 627 / 579 (slower: the MMAs, not
+#   the copies, bound it), M = 1536 991 / 855 -> 983 / 864, M = 2048 1330 / 1243 -> 1257 /
+#   1151, M = 4096 2661 / 2530 -> 2517 / 2307.
+# - nf4 (table decode, bound by its shared-memory lookups): within 1.5% at M = 512-2048,
+#   never; bnb_fp4 decodes the same way.
+_MULTICAST_MIN_M = {"nvfp4": 2048, "mxfp4": 512, "int4": 512, "nf4": None, "bnb_fp4": None}
+
+
+def wmatmul_cluster(fmt, m, tile_m):
+    """CTAs per cluster of the wgmma kernel (attribute `cluster`): 2 (x multicast) at
+    tile_m = 256 from _MULTICAST_MIN_M[fmt] rows of x, else 1."""
+    min_m = _MULTICAST_MIN_M[fmt]
+    return 2 if tile_m == 256 and min_m is not None and m >= min_m else 1
 
 
 def wmatmul_tile_m(m, wgmma=None, folded=False):
@@ -589,7 +618,8 @@ def _wmatmul_fused(x, codes, scales, zeros, ts, *, fmt, block_size, two_level, o
         _FUSED_TARGET,
         jax.ShapeDtypeStruct((splits, m, codes.shape[0]), out_dtype if final else jnp.float32))(
         x, codes, scales, zeros, ts, **_attrs(fmt, block_size, two_level=two_level),
-        splits=np.int64(splits), tile_m=np.int64(tile_m))
+        splits=np.int64(splits), tile_m=np.int64(tile_m),
+        cluster=np.int64(wmatmul_cluster(fmt, m, tile_m)))
     return part[0] if final else part.sum(0).astype(out_dtype)
 
 

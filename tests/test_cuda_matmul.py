@@ -30,9 +30,10 @@ W_CASES = [
 # 16 for one-level nvfp4 with bf16 x); 13, 17, 33, 100, 300 (wgmma kernel with tile_m =
 # 16, 32, 64, 128, 256, M ragged, two M tiles at 300; without wgmma: the direct kernel
 # at 13, the staged kernel above); K not a multiple of the 128/256-k steps; N not a
-# multiple of 128
+# multiple of 128 (at 300: three 128-row weight tiles, so the last 2-CTA cluster of the
+# BN = 256 kernel has a CTA wholly past N)
 SHAPES = [(1, 384, 200), (13, 1056, 136), (4, 4096, 520), (17, 416, 264), (33, 640, 136),
-          (100, 384, 200), (300, 1056, 136)]
+          (100, 384, 200), (300, 1056, 264)]
 
 
 def _gpu():
@@ -73,9 +74,10 @@ def _wgmma_min_m(fmt, kw, dtype):
     return primitives.wgmma_min_m(_folded(fmt, kw, dtype))
 
 
-def _check_fused(fmt, bs, kw, dtype, m, k, n, family, rng, splits=None):
+def _check_fused(fmt, bs, kw, dtype, m, k, n, family, rng, splits=None, cluster=None):
     """One fused matmul (float32 and x-dtype output) against the reference decode;
-    `splits`: the K-splits the lowering must have chosen (None: any)."""
+    `splits`, `cluster`: the K-splits and cluster CTAs the lowering must have chosen (None:
+    any)."""
     k = _k_for(k, bs)
     x = jnp.asarray(rng.standard_normal((m, k)), dtype)
     w = (rng.standard_normal((k, n)) * 10.0 ** rng.integers(-3, 3, size=(1, n))).astype(np.float32)
@@ -95,6 +97,8 @@ def _check_fused(fmt, bs, kw, dtype, m, k, n, family, rng, splits=None):
     assert (want_tile > 0) == (family == "wgmma" and m >= _wgmma_min_m(fmt, kw, dtype)), m
     if splits is not None:
         assert f"splits = {splits} " in text, (m, k, splits)
+    if cluster is not None:
+        assert f"cluster = {cluster} " in text, (m, k, cluster)
     what = f"{fmt} {kw} {dtype.__name__} M={m} K={k} N={n} splits={splits}"
     _check(f32(xg, qg), np.asarray(x, np.float32), w_ref, what)
     # x's dtype out: the float32 sum rounded once. (Not compared bit for bit with the
@@ -161,6 +165,22 @@ def test_fused_wgmma_scale_boxes(fmt, bs, kw, dtype, rng, monkeypatch):
     _check_fused(fmt, bs, kw, dtype, 13, 2048, 200, "wgmma", rng, 3)
 
 
+# The BN = 256 kernel in 2-CTA clusters that multicast x (forced from M = 1 here; the rule
+# takes them from M = 512-1025): N = 264 is three 128-row weight tiles, so the second
+# cluster has a CTA wholly past N that still copies its half of x for the other; N = 200
+# ends inside the second CTA; S = 3 splits K (the pair shares the split's steps).
+@pytest.mark.parametrize("fmt,bs,kw,dtype", W_CASES, ids=str)
+def test_fused_wgmma_multicast(fmt, bs, kw, dtype, rng, monkeypatch):
+    assert jf.capabilities()["kernels"]["cuda"], jf.capabilities()["load_error"]
+    if not primitives.wgmma_available():
+        pytest.skip("the wgmma kernel needs a compute capability 9.0 GPU and an sm_90a build")
+    monkeypatch.setattr(primitives, "_MULTICAST_MIN_M", dict.fromkeys(primitives.FUSED_FORMATS, 1))
+    for m, k, n, splits in ((300, 1056, 264, None), (129, 2048, 200, None), (520, 4096, 264, 3)):
+        if splits is not None:
+            monkeypatch.setattr(primitives, "wmatmul_splits", lambda *a, s=splits, **k: s)
+        _check_fused(fmt, bs, kw, dtype, m, k, n, "wgmma", rng, splits, cluster=2)
+
+
 def test_fused_wmatmul_nonfinite_and_vmap(rng):
     k, n = 256, 136
     w = rng.standard_normal((k, n)).astype(np.float32)
@@ -196,7 +216,12 @@ def test_wmatmul_handler_rejects_foreign_block_size(fmt, bs):
     with pytest.raises(Exception, match=rf"`block_size` = {bs}: the fused kernel decodes nvfp4"):
         jax.block_until_ready(jax.jit(lambda *a: call(
             *a, **primitives._attrs(fmt, bs, two_level=False), splits=np.int64(1),
-            tile_m=np.int64(0)))(*args))
+            tile_m=np.int64(0), cluster=np.int64(1)))(*args))
+    # a cluster only for the tile_m = 256 kernel
+    with pytest.raises(Exception, match=r"`cluster` = 2 must be 1, or 2 with tile_m = 256 \(got tile_m = 0\)"):
+        jax.block_until_ready(jax.jit(lambda *a: call(
+            *a, **primitives._attrs(fmt, bs, two_level=False), splits=np.int64(1),
+            tile_m=np.int64(0), cluster=np.int64(2)))(*args))
 
 
 def test_wmatmul_grad_and_large_m_path(rng):
@@ -209,7 +234,7 @@ def test_wmatmul_grad_and_large_m_path(rng):
     np.testing.assert_allclose(np.asarray(g, np.float32)[0], wd.sum(1), rtol=1e-2, atol=1e-2)
     # the size rule: fused up to its limit, dequantize kernel + XLA dot past it
     folded = primitives.wmatmul_folded("nvfp4", jnp.bfloat16, q.tensor_scale is not None)
-    limit = (primitives.wgmma_max_m(folded) if primitives.wgmma_available()
+    limit = (primitives.wgmma_max_m("nvfp4", folded) if primitives.wgmma_available()
              else primitives.FUSED_MAX_M)
     for m, fused in ((limit, True), (limit + 1, False)):
         xm = jax.device_put(jnp.zeros((m, k), jnp.bfloat16), _gpu())

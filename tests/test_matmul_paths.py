@@ -87,26 +87,37 @@ def test_wmatmul_tile_rule():
     assert not folded("nvfp4", jnp.bfloat16, 1)  # two-level: the tensor scale is applied too
     assert not folded("nvfp4", jnp.float16, 0)
     assert not folded("mxfp4", jnp.bfloat16, 0)
+    # 2-CTA clusters (x multicast) only at tile_m = 256, and only from some M on
+    for fmt in primitives.FUSED_FORMATS:
+        want = [1, 1, 1 if fmt in ("nf4", "bnb_fp4") else 2]  # the table decode: never
+        assert [primitives.wmatmul_cluster(fmt, m, t) for m, t in
+                ((4096, 128), (129, 256), (4096, 256))] == want, fmt
 
 
 @pytest.mark.parametrize("wgmma", [False, True])
 def test_fused_wmatmul_size_rule(wgmma, monkeypatch):
     """Fused up to FUSED_MAX_M, or wgmma_max_m where the wgmma kernel runs: further for
-    one-level nvfp4 with bf16 x (folded) than for the other formats (pinned either way, so
-    the test means the same on every machine)."""
+    one-level nvfp4 with bf16 x (folded) than for the other formats, and per format
+    (pinned either way, so the test means the same on every machine)."""
     monkeypatch.setattr(primitives, "wgmma_available", lambda: wgmma)
 
     def avals(m, k, dtype=jnp.bfloat16):
         return (jax.core.ShapedArray((m, k), dtype), jax.core.ShapedArray((64, k // 2), np.uint8))
 
     ok = primitives.fused_wmatmul_applies
-    max_m = primitives.wgmma_max_m(folded=False) if wgmma else primitives.FUSED_MAX_M
-    max_f = primitives.wgmma_max_m(folded=True) if wgmma else primitives.FUSED_MAX_M
+    max_m = primitives.wgmma_max_m("nvfp4", folded=False) if wgmma else primitives.FUSED_MAX_M
+    max_f = primitives.wgmma_max_m("nvfp4", folded=True) if wgmma else primitives.FUSED_MAX_M
     assert max_f > max_m if wgmma else max_f == max_m
     nv, nv2 = (dict(fmt="nvfp4", block_size=16, two_level=t) for t in (False, True))
+    for fmt, bs in (("mxfp4", 32), ("nf4", 64), ("bnb_fp4", 64), ("int4", 128)):
+        lim = primitives.wgmma_max_m(fmt) if wgmma else primitives.FUSED_MAX_M
+        assert lim >= max_m, fmt
+        q = dict(fmt=fmt, block_size=bs, two_level=False)
+        assert ok(avals(lim, 256), q) and not ok(avals(lim + 1, 256), q), fmt
+    if wgmma:  # the multicast formats go further than the table decode
+        assert primitives.wgmma_max_m("int4") > primitives.wgmma_max_m("nf4")
     int4 = dict(fmt="int4", block_size=128, two_level=False)
     assert ok(avals(1, 256), nv)
-    assert ok(avals(max_m, 256), int4) and not ok(avals(max_m + 1, 256), int4)
     assert ok(avals(max_m, 256), nv2) and not ok(avals(max_m + 1, 256), nv2)
     assert ok(avals(max_f, 256), nv) and not ok(avals(max_f + 1, 256), nv)
     assert ok(avals(max_m, 256, jnp.float16), dict(nv, block_size=16))

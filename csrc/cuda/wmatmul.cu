@@ -66,6 +66,7 @@ struct WParams {
   int st;                  // INT4 scale storage type
   int out_f32;             // output float32 (else x's dtype: one split only)
   int scale_boxes;         // wgmma kernel: the scales come by TMA with the stages
+  int cluster;             // wgmma kernel at BN = 256: CTAs per cluster, 1 or 2 (x multicast)
 };
 
 // Raw bits of one weight row's K-chunk (32 elements).
@@ -817,6 +818,11 @@ __host__ __device__ constexpr bool wg_producer() { return BN >= 256; }
 template <int BN>  // threads per CTA: two warpgroups (+ the producer warpgroup)
 __host__ __device__ constexpr int wg_threads() { return kWgThreads + (wg_producer<BN>() ? 128 : 0); }
 constexpr int kWgProducerRegs = 40, kWgConsumerRegs = 232;  // 128 x 40 + 256 x 232 <= 64K
+// Clusters of two CTAs along the weight rows that share the activation tile (TMA multicast,
+// see Pipeline above): the kernels with a producer warpgroup can run in them, launch_wgmma
+// decides per call (wg_multicast).
+template <int BN>
+__host__ __device__ constexpr bool wg_can_multicast() { return wg_producer<BN>(); }
 template <int BN>  // code words (of each of a lane's two rows) decoded per wgmma group:
 __host__ __device__ constexpr int wg_words() { return BN >= 256 ? 1 : 2; }
 // L2 cache policies (CUTLASS's CacheHintSm90): the activations, which every CTA re-reads,
@@ -897,12 +903,18 @@ __device__ __forceinline__ uint64_t sw128_desc(uint32_t smem_addr) {
          (uint64_t{1024 >> 4} << 32) | (uint64_t{1} << 62);
 }
 
+template <bool CLUSTER = false>  // CLUSTER: acquire what other CTAs of the cluster released
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
   uint32_t done;
   do {
-    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-                 " selp.u32 %0, 1, 0, p;\n}\n"
-                 : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    if constexpr (CLUSTER)
+      asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+                   " selp.u32 %0, 1, 0, p;\n}\n"
+                   : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    else
+      asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                   " selp.u32 %0, 1, 0, p;\n}\n"
+                   : "=r"(done) : "r"(bar), "r"(parity) : "memory");
   } while (!done);
 }
 
@@ -924,11 +936,13 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t full[kStages];   // stage j holds its step's activations
   __shared__ __align__(8) uint64_t empty[kStages];  // every warp is done with stage j (release)
+  __shared__ __align__(8) uint64_t pair[kStages];   // ... in every CTA of the cluster
   const uint32_t raw_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
   uint8_t* smem = smem_raw + (((raw_addr + 1023u) & ~1023u) - raw_addr);  // 1024-aligned
   const uint32_t smem_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   const uint32_t full_addr = static_cast<uint32_t>(__cvta_generic_to_shared(full));
   const uint32_t empty_addr = static_cast<uint32_t>(__cvta_generic_to_shared(empty));
+  const uint32_t pair_addr = static_cast<uint32_t>(__cvta_generic_to_shared(pair));
   float2* table = reinterpret_cast<float2*>(smem + (kPipe > kEpi ? kPipe : kEpi));
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -941,21 +955,28 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
       asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(full_addr + 8 * i));
       asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(empty_addr + 8 * i),
                    "n"(kWgThreads / 32));
+      if constexpr (wg_can_multicast<BN>())  // the producers of both CTAs of a cluster
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 2;\n" ::"r"(pair_addr + 8 * i));
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
 
-  // raster: runs of kWgGroupM activation tiles per weight tile, so the CTAs resident at
-  // once share both operands in L2
+  // CTAs in the cluster: 1, or 2 sharing the activation tile (launch_wgmma, wg_multicast)
+  uint32_t ncl = 1;
+  if constexpr (wg_can_multicast<BN>()) asm("mov.u32 %0, %%cluster_nctarank;\n" : "=r"(ncl));
+  // raster: runs of kWgGroupM activation tiles per weight tile (per ncl adjacent weight
+  // tiles, one cluster), so the CTAs resident at once share both operands in L2; a
+  // cluster's CTAs (rank = blockIdx.x % ncl, PTX ISA %cluster_ctarank) share m0
   const int64_t m_tiles = (p.M + BN - 1) / BN;
-  const int64_t n_tiles = (p.N + kWgRows - 1) / kWgRows;
-  const int64_t id = blockIdx.x;
+  const int64_t n_tiles = ((p.N + kWgRows - 1) / kWgRows + ncl - 1) / ncl;
+  const uint32_t rank = blockIdx.x % ncl;
+  const int64_t id = blockIdx.x / ncl;
   const int64_t group = id / (kWgGroupM * n_tiles);
   const int64_t gm0 = group * kWgGroupM;
   const int64_t gsize = min(static_cast<int64_t>(kWgGroupM), m_tiles - gm0);
   const int64_t rem = id - group * kWgGroupM * n_tiles;
   const int m0 = static_cast<int>((gm0 + rem % gsize) * BN);  // M < 2^31 (TMA coordinate)
-  const int64_t n_cta = (rem / gsize) * kWgRows;
+  const int64_t n_cta = ((rem / gsize) * ncl + rank) * kWgRows;  // may be >= N: all zeros
 
   const int wrow = (warp >> 2) * 64 + (warp & 3) * 16 + g;  // lane's first row in the CTA
   const int64_t n_warp = n_cta + wrow - g;
@@ -970,7 +991,9 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
   // a step's activation tile (two 64-k boxes), weight codes (128 rows x 64 bytes) and
   // scale / zero-point boxes (128 rows x the 16 aligned bytes that hold the step's blocks:
   // a box must start on a 16-byte boundary), zero past M, N and K -> stage j, arriving on
-  // full[j]; one thread issues it
+  // full[j]; one thread issues it. In a cluster of two, CTA r copies box r of the
+  // activation tile into stage j of both CTAs (TMA multicast, arriving on each one's
+  // full[j]): the pair reads the tile from L2 once.
   auto stage_step = [&](int step, uint32_t j) {
     const uint32_t bar = full_addr + 8 * j, dst = smem_addr + j * kStage;
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n"
@@ -982,8 +1005,16 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
           ::"r"(to), "l"(map), "r"(c0), "r"(c1), "r"(bar), "l"(hint) : "memory");
     };
     const int n = static_cast<int>(n_cta);
-    copy(dst, &x_map, step * kWgStepK, m0, kEvictLast);
-    copy(dst + BN * 128, &x_map, step * kWgStepK + 64, m0, kEvictLast);
+    if (wg_can_multicast<BN>() && ncl > 1) {
+      asm volatile(
+          "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+          ".L2::cache_hint [%0], [%1, {%2, %3}], [%4], %5, %6;\n"
+          ::"r"(dst + rank * (BN * 128)), "l"(&x_map), "r"(step * kWgStepK + 64 * static_cast<int>(rank)),
+          "r"(m0), "r"(bar), "h"(static_cast<uint16_t>(3)), "l"(kEvictLast) : "memory");
+    } else {
+      copy(dst, &x_map, step * kWgStepK, m0, kEvictLast);
+      copy(dst + BN * 128, &x_map, step * kWgStepK + 64, m0, kEvictLast);
+    }
     copy(dst + wg_x_bytes<BN>(), &w_map, step * (kWgStepK / 2), n, kEvictFirst);
     if constexpr (wg_boxes<FMT, BITS, BN>()) {
       if (boxes) {  // a scale row's 128-byte line serves 8-16 steps: normal eviction
@@ -1027,14 +1058,33 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
     else __syncthreads();
   };
 
-  __syncthreads();  // barriers initialised (and the decode table filled)
+  if (wg_can_multicast<BN>() && ncl > 1)  // both CTAs' barriers initialised before any copy or remote arrive
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+  else
+    __syncthreads();  // barriers initialised (and the decode table filled)
   if constexpr (kProducer) {
     if (warp >= kWgThreads / 32) {  // the producer warpgroup: one lane refills each stage
       asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kWgProducerRegs));
       if (tid == kWgThreads) {  // once the eight consumer warps released its previous step
         uint32_t j = 0, use = 0;
+        uint32_t peer_pair = 0;  // the other CTA's pair barriers
+        if (ncl > 1)
+          asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(peer_pair) : "r"(pair_addr), "r"(rank ^ 1u));
         for (int step = step_begin; step < step_end; ++step) {
-          if (use > 0) mbar_wait(empty_addr + 8 * j, (use - 1) & 1u);
+          if (use > 0) {
+            mbar_wait(empty_addr + 8 * j, (use - 1) & 1u);
+            // In a cluster the copies write stage j of both CTAs: pass the release on to
+            // both producers and wait for the other CTA's. (The producers do this, not
+            // the consumer warps: a remote arrive between their wgmmas made ptxas
+            // serialize them, C7513.) Only before a refill, which the other producer waits
+            // for, so no CTA exits with a remote arrive pending on it.
+            if (ncl > 1) {
+              asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(pair_addr + 8 * j) : "memory");
+              asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n"
+                           ::"r"(peer_pair + 8 * j) : "memory");
+              mbar_wait<true>(pair_addr + 8 * j, (use - 1) & 1u);
+            }
+          }
           stage_step(step, j);
           if (++j == kStages) {
             j = 0;
@@ -1275,10 +1325,23 @@ cudaError_t launch_wgmma(cudaStream_t stream, const uint16_t* xp, const uint8_t*
                         kWgBoxCols, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_128B);
     if (e != cudaSuccess) return e;
   }
-  const int64_t tiles = ((p.M + BN - 1) / BN) * ((p.N + kWgRows - 1) / kWgRows);
-  const dim3 grid(static_cast<unsigned>(tiles), 1, static_cast<unsigned>(splits));
-  kernel<<<grid, wg_threads<BN>(), kSmem, stream>>>(x_map, w_map, s_map, z_map, cp, sp, zp, tp, out, q);
-  return cudaGetLastError();
+  // weight tiles rounded up to whole clusters (the kernel's raster)
+  // clusters of p.cluster CTAs (jax_fp4/primitives.py, wmatmul_cluster)
+  const int cluster_ctas = wg_can_multicast<BN>() && p.cluster == 2 ? 2 : 1;
+  const int64_t n_tiles = ((p.N + kWgRows - 1) / kWgRows + cluster_ctas - 1) / cluster_ctas * cluster_ctas;
+  const int64_t tiles = ((p.M + BN - 1) / BN) * n_tiles;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(tiles), 1, static_cast<unsigned>(splits));
+  cfg.blockDim = dim3(wg_threads<BN>());
+  cfg.dynamicSmemBytes = kSmem;
+  cfg.stream = stream;
+  cudaLaunchAttribute cluster;
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = cluster_ctas;
+  cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
+  cfg.attrs = &cluster;
+  cfg.numAttrs = cluster_ctas > 1 ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, x_map, w_map, s_map, z_map, cp, sp, zp, tp, out, q);
 }
 
 template <int FMT, bool BF16, bool BITS>
@@ -1358,7 +1421,7 @@ ffi::Error launch(int fmt, cudaStream_t stream, const ffi::AnyBuffer& x, const f
 ffi::Error WMatmulImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer codes,
                        ffi::AnyBuffer scales, ffi::AnyBuffer zeros, ffi::AnyBuffer ts,
                        ffi::Result<ffi::AnyBuffer> out, int32_t fmt, int64_t block_size,
-                       int32_t two_level, int64_t splits, int64_t tile_m) {
+                       int32_t two_level, int64_t splits, int64_t tile_m, int64_t cluster) {
   const std::string where = "jax_fp4_wmatmul_v1 (CUDA)";
   JF4_RETURN_IF_ERROR(check_dtype(where, "x", x.element_type(),
                                   {ffi::DataType::BF16, ffi::DataType::F16}));
@@ -1368,6 +1431,10 @@ ffi::Error WMatmulImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer cod
   if (tile_m != 0 && tile_m != 16 && tile_m != 32 && tile_m != 64 && tile_m != 128 && tile_m != 256)
     return invalid(where, "attribute `tile_m` = " + std::to_string(tile_m) +
                               " must be 0 (mma.sync kernels) or 16, 32, 64, 128, 256 (wgmma kernel)");
+  if (cluster != 1 && !(cluster == 2 && tile_m == 256))
+    return invalid(where, "attribute `cluster` = " + std::to_string(cluster) +
+                              " must be 1, or 2 with tile_m = 256 (got tile_m = " +
+                              std::to_string(tile_m) + ")");
   if (codes.dimensions().size() != 2)
     return invalid(where, "buffer `codes` must be 2-D (N, K/2), got shape " + dims_str(codes.dimensions()));
   const int64_t K = 2 * codes.dimensions()[1];
@@ -1429,6 +1496,7 @@ ffi::Error WMatmulImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer cod
   w.st = p.scale_type;
   w.out_f32 = out->element_type() == ffi::DataType::F32;
   w.scale_boxes = 0;  // launch_wgmma decides
+  w.cluster = static_cast<int>(cluster);
   void* o = out->untyped_data();
   return x.element_type() == ffi::DataType::BF16
              ? launch<true>(fmt, stream, x, codes, scales, zeros, ts, o, w, static_cast<int>(splits), tile_m)
@@ -1454,4 +1522,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4WMatmulV1Cuda, jf4::cuda::WMatmulImpl,
                                   .Attr<int64_t>("block_size")
                                   .Attr<int32_t>("two_level")
                                   .Attr<int64_t>("splits")
-                                  .Attr<int64_t>("tile_m"));
+                                  .Attr<int64_t>("tile_m")
+                                  .Attr<int64_t>("cluster"));
