@@ -790,6 +790,14 @@ __global__ void __launch_bounds__(kWarps * 32, 4) wmatmul_direct_kernel(
 //    CTA barrier per step with only stages - 2 = 1 step of copies ahead (three stages of
 //    72 KB fill the SM), M = 1024 on 8192 x 28672: nvfp4 645 -> 602, mxfp4 890 -> 733,
 //    int4 890 -> 767 us (benchmarks/NOTES.md, round 5).
+//    Where the caller asks (attribute `cluster` = 2, primitives.wmatmul_cluster), the
+//    BN = 256 kernel runs in clusters of two CTAs on adjacent 128-row weight tiles with
+//    the same activation tile: each producer copies one 64-k box of it into both CTAs'
+//    stage (TMA multicast), so the pair reads x from L2 once. A stage is then refilled
+//    only once the consumers of both CTAs released it: each producer, after its own
+//    `empty` barrier, arrives on its own and the other CTA's `pair` barrier and waits on
+//    its own. (M = 1024, 8192 x 28672: mxfp4 762 -> 672, int4 765 -> 697 us; nvfp4 601
+//    -> 627, faster only from M = 2048; benchmarks/NOTES.md, round 6.)
 // Each lane reads its two 16-byte code chunks of a step from the stage (a warp reads 512
 // contiguous bytes). (Against codes loaded by the lanes into registers: mxfp4, nf4, int4
 // 2-9% faster at M = 8..1024, nvfp4 within 2% at M <= 64 and 2-3% slower at M >= 256;
