@@ -168,17 +168,29 @@ def test_fused_wgmma_scale_boxes(fmt, bs, kw, dtype, rng, monkeypatch):
 # The BN = 256 kernel in 2-CTA clusters that multicast x (forced from M = 1 here; the rule
 # takes them from M = 512-1025): N = 264 is three 128-row weight tiles, so the second
 # cluster has a CTA wholly past N that still copies its half of x for the other; N = 200
-# ends inside the second CTA; S = 3 splits K (the pair shares the split's steps).
+# ends inside the second CTA; S = 3 splits K (the pair shares the split's steps). Only
+# who copies x changes, so the result equals the 1-CTA kernel's bit for bit.
 @pytest.mark.parametrize("fmt,bs,kw,dtype", W_CASES, ids=str)
 def test_fused_wgmma_multicast(fmt, bs, kw, dtype, rng, monkeypatch):
     assert jf.capabilities()["kernels"]["cuda"], jf.capabilities()["load_error"]
     if not primitives.wgmma_available():
         pytest.skip("the wgmma kernel needs a compute capability 9.0 GPU and an sm_90a build")
-    monkeypatch.setattr(primitives, "_MULTICAST_MIN_M", dict.fromkeys(primitives.FUSED_FORMATS, 1))
     for m, k, n, splits in ((300, 1056, 264, None), (129, 2048, 200, None), (520, 4096, 264, 3)):
+        monkeypatch.setattr(primitives, "_MULTICAST_MIN_M", dict.fromkeys(primitives.FUSED_FORMATS, 1))
         if splits is not None:
             monkeypatch.setattr(primitives, "wmatmul_splits", lambda *a, s=splits, **k: s)
         _check_fused(fmt, bs, kw, dtype, m, k, n, "wgmma", rng, splits, cluster=2)
+        kk = _k_for(k, bs)
+        w = jnp.asarray(rng.standard_normal((kk, n)), jnp.float32)
+        q = jax.device_put(jf.quantize(jax.device_put(w, _cpu()), fmt, axis=0, block_size=bs, **kw), _gpu())
+        x = jax.device_put(jnp.asarray(rng.standard_normal((m, kk)), dtype), _gpu())
+        got = {}
+        for c, min_m in ((2, 1), (1, None)):
+            monkeypatch.setattr(primitives, "_MULTICAST_MIN_M", dict.fromkeys(primitives.FUSED_FORMATS, min_m))
+            fn = jax.jit(lambda x, q: jf.matmul(x, q))  # a fresh trace for each rule
+            assert f"cluster = {c} " in fn.lower(x, q).as_text(), (m, c)
+            got[c] = np.asarray(fn(x, q), np.float32)
+        np.testing.assert_array_equal(got[2], got[1], err_msg=f"{fmt} M={m} K={kk} N={n}")
 
 
 def test_fused_wmatmul_nonfinite_and_vmap(rng):
