@@ -831,6 +831,16 @@ constexpr int kWgProducerRegs = 40, kWgConsumerRegs = 232;  // 128 x 40 + 256 x 
 // decides per call (wg_multicast).
 template <int BN>
 __host__ __device__ constexpr bool wg_can_multicast() { return wg_producer<BN>(); }
+// Copies of the table path's pair table (fill_table): 16 where the 32 KB fit beside the
+// stages and their scale boxes without costing a CTA per SM (BN = 16, 32 and 128; lane l
+// reads copy l % 16, which lies in bank pair l % 16: conflict-free, as the direct kernel),
+// else 4 (BN = 64 and 256, and INT4's table path, whose 4 KB boxes would not fit at BN =
+// 32): nf4 on 8192 x 28672, M = 16 126 -> 82 us, M = 32 131 -> 87, M = 128 196 -> 145
+// (benchmarks/NOTES.md round 6).
+template <int FMT, int BN>
+__host__ __device__ constexpr int wg_copies() {
+  return (BN <= 32 || BN == 128) && FMT != kINT4 ? kCopies : kStagedCopies;
+}
 template <int BN>  // code words (of each of a lane's two rows) decoded per wgmma group:
 __host__ __device__ constexpr int wg_words() { return BN >= 256 ? 1 : 2; }
 // L2 cache policies (CUTLASS's CacheHintSm90): the activations, which every CTA re-reads,
@@ -847,12 +857,12 @@ template <int BN>  // CTAs per SM the kernel is built for (launch bounds)
 __host__ __device__ constexpr int wg_ctas() { return BN >= 128 ? 1 : 2; }
 template <int FMT>  // a stage's scale box, and INT4's zero-point box
 __host__ __device__ constexpr int wg_side_bytes() { return (FMT == kINT4 ? 2 : 1) * kWgBoxBytes; }
-template <int BN, bool BITS>
+template <int FMT, int BN, bool BITS>
 __host__ __device__ constexpr int wg_smem_for(int stage_bytes) {
   const int pipe = wg_stages<BN>() * stage_bytes;
   const int epi = BN * kOutStride * 4;
   return 1024 /* alignment slack */ + (pipe > epi ? pipe : epi) +
-         (BITS ? 0 : 256 * kStagedCopies * 8);
+         (BITS ? 0 : 256 * wg_copies<FMT, BN>() * 8);
 }
 // Whether the stages carry the scale boxes (see Pipeline below): BN <= 128 (BN = 256 is
 // bound by the tensor cores, and its three stages fill the SM), not for nvfp4 (its one
@@ -863,7 +873,7 @@ __host__ __device__ constexpr int wg_smem_for(int stage_bytes) {
 template <int FMT, bool BITS, int BN>
 __host__ __device__ constexpr bool wg_boxes() {
   return BN <= 128 && FMT != kNVFP4 &&
-         wg_ctas<BN>() * (wg_smem_for<BN, BITS>(wg_x_bytes<BN>() + kWgCodeBytes + wg_side_bytes<FMT>()) +
+         wg_ctas<BN>() * (wg_smem_for<FMT, BN, BITS>(wg_x_bytes<BN>() + kWgCodeBytes + wg_side_bytes<FMT>()) +
                           1024 + 2 * wg_stages<BN>() * 8) <= 228 * 1024;
 }
 template <int FMT, bool BITS, int BN>  // stage = [activation tile | weight codes | boxes]
@@ -872,7 +882,7 @@ __host__ __device__ constexpr int wg_stage_bytes() {
 }
 template <int FMT, bool BITS, int BN>
 __host__ __device__ constexpr int wg_smem_bytes() {
-  return wg_smem_for<BN, BITS>(wg_stage_bytes<FMT, BITS, BN>());
+  return wg_smem_for<FMT, BN, BITS>(wg_stage_bytes<FMT, BITS, BN>());
 }
 
 // n bytes of shared memory, zero-extended
@@ -955,8 +965,8 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const uint32_t copy = lane & (kStagedCopies - 1);
-  if constexpr (!BITS) if (tid < kWgThreads) fill_table<FMT, kStagedCopies>(table, tid, kWgThreads);
+  const uint32_t copy = lane & (wg_copies<FMT, BN>() - 1);
+  if constexpr (!BITS) if (tid < kWgThreads) fill_table<FMT, wg_copies<FMT, BN>()>(table, tid, kWgThreads);
   if (tid == 0) {
 #pragma unroll
     for (int i = 0; i < kStages; ++i) {
@@ -1169,8 +1179,8 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
       for (int w = 0; w < kWords; ++w) {
         const int s2 = w0 + w;
         uint32_t r[2][4];
-        decode_word<FMT, BF16, BITS, kStagedCopies>(word_of(cur[0].q, s2), d[0][s2 >> 1], table, copy, r[0]);
-        decode_word<FMT, BF16, BITS, kStagedCopies>(word_of(cur[1].q, s2), d[1][s2 >> 1], table, copy, r[1]);
+        decode_word<FMT, BF16, BITS, wg_copies<FMT, BN>()>(word_of(cur[0].q, s2), d[0][s2 >> 1], table, copy, r[0]);
+        decode_word<FMT, BF16, BITS, wg_copies<FMT, BN>()>(word_of(cur[1].q, s2), d[1][s2 >> 1], table, copy, r[1]);
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
           a[2 * w + hh][0] = r[0][2 * hh];
@@ -1298,6 +1308,7 @@ cudaError_t launch_wgmma(cudaStream_t stream, const uint16_t* xp, const uint8_t*
                          const WParams& p, int splits) {
   auto kernel = wmatmul_wgmma_kernel<FMT, BF16, BITS, BN>;
   constexpr int kSmem = wg_smem_bytes<FMT, BITS, BN>();
+  static_assert(kSmem <= 227 * 1024, "the stages, epilogue and table must fit an SM's shared memory");
   static const cudaError_t ready = prepare_wgmma(kernel, kSmem);
   if (ready != cudaSuccess) return ready;
   // x permuted (M, K128): boxes of BN rows x 64 k into the 128-byte swizzle the wgmma
