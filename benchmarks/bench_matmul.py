@@ -46,7 +46,7 @@ def weight_bytes(fmt, k, n):
 def path_of(fn, args):
     """Which W4A16 path the lowered computation takes (fused: which kernel family)."""
     text = fn.lower(*args).as_text()
-    if "jax_fp4_wmatmul_v1" in text:
+    if "jax_fp4_wmatmul_v2" in text:
         m = re.search(r"tile_m = (\d+)", text)
         return "fused mma" if m is None or m.group(1) == "0" else f"fused wgmma{m.group(1)}"
     return "dequant+dot" if "jax_fp4_dequantize_v1" in text else "reference"

@@ -442,7 +442,7 @@ FUSED_FORMATS = ("nvfp4", "mxfp4", "nf4", "bnb_fp4", "int4")
 FUSED_MAX_M = 64
 FUSED_MAX_M_WGMMA = {"nvfp4": 1024, "mxfp4": 2048, "nf4": 1024, "bnb_fp4": 1024, "int4": 2048}
 FUSED_MAX_M_WGMMA_FOLDED = 4096
-_FUSED_TARGET = "jax_fp4_wmatmul_v1"
+_FUSED_TARGET = "jax_fp4_wmatmul_v2"
 # (rows per CTA, k per super-step, resident CTAs per SM, fewest super-steps per split) of
 # the direct kernel (M <= 16), the staged kernel and the wgmma kernel by tile_m
 # (csrc/cuda/wmatmul.cu). The wgmma kernel splits K only into runs of >= 16 steps: a

@@ -91,7 +91,7 @@ def _check_fused(fmt, bs, kw, dtype, m, k, n, family, rng, splits=None, cluster=
     f32 = jax.jit(lambda x, q: jf.dot_general(x, q, (((1,), (0,)), ((), ())),
                                               preferred_element_type=jnp.float32))
     text = f32.lower(xg, qg).as_text()
-    assert "jax_fp4_wmatmul_v1" in text, f"{fmt} M={m} K={k}: fused kernel not used"
+    assert "jax_fp4_wmatmul_v2" in text, f"{fmt} M={m} K={k}: fused kernel not used"
     want_tile = primitives.wmatmul_tile_m(m, folded=_folded(fmt, kw, dtype))
     assert f"tile_m = {want_tile} " in text, (m, want_tile)
     assert (want_tile > 0) == (family == "wgmma" and m >= _wgmma_min_m(fmt, kw, dtype)), m
@@ -229,6 +229,12 @@ def test_wmatmul_handler_rejects_foreign_block_size(fmt, bs):
         jax.block_until_ready(jax.jit(lambda *a: call(
             *a, **primitives._attrs(fmt, bs, two_level=False), splits=np.int64(1),
             tile_m=np.int64(0), cluster=np.int64(1)))(*args))
+    # jax_fp4_wmatmul_v1 (artifacts from before the `cluster` attribute) still binds
+    v1 = jax.ffi.ffi_call("jax_fp4_wmatmul_v1", jax.ShapeDtypeStruct((1, m, n), jnp.float32))
+    with pytest.raises(Exception, match=rf"`block_size` = {bs}: the fused kernel decodes nvfp4"):
+        jax.block_until_ready(jax.jit(lambda *a: v1(
+            *a, **primitives._attrs(fmt, bs, two_level=False), splits=np.int64(1),
+            tile_m=np.int64(0)))(*args))
     # a cluster only for the tile_m = 256 kernel
     with pytest.raises(Exception, match=r"`cluster` = 2 must be 1, or 2 with tile_m = 256 \(got tile_m = 0\)"):
         jax.block_until_ready(jax.jit(lambda *a: call(
@@ -251,7 +257,7 @@ def test_wmatmul_grad_and_large_m_path(rng):
     for m, fused in ((limit, True), (limit + 1, False)):
         xm = jax.device_put(jnp.zeros((m, k), jnp.bfloat16), _gpu())
         text = jax.jit(jf.matmul).lower(xm, q).as_text()
-        assert ("jax_fp4_wmatmul_v1" in text) == fused, m
+        assert ("jax_fp4_wmatmul_v2" in text) == fused, m
         assert ("jax_fp4_dequantize_v1" in text) == (not fused), m
 
 

@@ -1,4 +1,4 @@
-// CUDA FFI handler for the fused W4A16 matmul (csrc/README.md: jax_fp4_wmatmul_v1).
+// CUDA FFI handlers for the fused W4A16 matmul (csrc/README.md: jax_fp4_wmatmul_v2, v1).
 //
 //   partial[z, m, n] = sum_{k in split z} x[m, k] * w[n, k]
 //
@@ -1415,11 +1415,11 @@ ffi::Error launch_fmt(cudaStream_t stream, const ffi::AnyBuffer& x, const ffi::A
   }
   if (e == cudaErrorNoKernelImageForDevice && tile_m > 0)
     return ffi::Error::InvalidArgument(
-        "jax_fp4_wmatmul_v1 (CUDA): attribute `tile_m` = " + std::to_string(tile_m) +
+        "jax_fp4_wmatmul_v2 (CUDA): attribute `tile_m` = " + std::to_string(tile_m) +
         " asks for the wgmma kernel, which needs a compute capability 9.0 GPU and a build for "
         "sm_90a (CUDAARCHS containing 90a); use tile_m = 0");
   if (e != cudaSuccess)
-    return ffi::Error::Internal(std::string("jax_fp4_wmatmul_v1 (CUDA): ") + cudaGetErrorString(e));
+    return ffi::Error::Internal(std::string("jax_fp4_wmatmul_v2 (CUDA): ") + cudaGetErrorString(e));
   return ffi::Error::Success();
 }
 
@@ -1441,7 +1441,7 @@ ffi::Error WMatmulImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer cod
                        ffi::AnyBuffer scales, ffi::AnyBuffer zeros, ffi::AnyBuffer ts,
                        ffi::Result<ffi::AnyBuffer> out, int32_t fmt, int64_t block_size,
                        int32_t two_level, int64_t splits, int64_t tile_m, int64_t cluster) {
-  const std::string where = "jax_fp4_wmatmul_v1 (CUDA)";
+  const std::string where = "jax_fp4_wmatmul_v2 (CUDA)";
   JF4_RETURN_IF_ERROR(check_dtype(where, "x", x.element_type(),
                                   {ffi::DataType::BF16, ffi::DataType::F16}));
   if (fmt != kNVFP4 && fmt != kMXFP4 && fmt != kNF4 && fmt != kBNB_FP4 && fmt != kINT4)
@@ -1522,24 +1522,37 @@ ffi::Error WMatmulImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer cod
              : launch<false>(fmt, stream, x, codes, scales, zeros, ts, o, w, static_cast<int>(splits), tile_m);
 }
 
+// jax_fp4_wmatmul_v1: v2 without the `cluster` attribute (clusters of 1), for artifacts
+// that name it
+ffi::Error WMatmulV1Impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer codes,
+                         ffi::AnyBuffer scales, ffi::AnyBuffer zeros, ffi::AnyBuffer ts,
+                         ffi::Result<ffi::AnyBuffer> out, int32_t fmt, int64_t block_size,
+                         int32_t two_level, int64_t splits, int64_t tile_m) {
+  return WMatmulImpl(stream, x, codes, scales, zeros, ts, out, fmt, block_size, two_level, splits,
+                     tile_m, 1);
+}
+
+auto WMatmulBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Arg<ffi::AnyBuffer>()  // x (M, K) bf16/f16 (tile_m > 0: (M, K128), permuted)
+      .Arg<ffi::AnyBuffer>()  // codes (N, K/2) u8
+      .Arg<ffi::AnyBuffer>()  // scales (N, K/bs)
+      .Arg<ffi::AnyBuffer>()  // zeros (N, K/bs) u8 or (0,)
+      .Arg<ffi::AnyBuffer>()  // ts (N,) f32
+      .Ret<ffi::AnyBuffer>()  // partial sums (S, M, N) f32, or x's dtype when S = 1
+      .Attr<int32_t>("fmt")
+      .Attr<int64_t>("block_size")
+      .Attr<int32_t>("two_level")
+      .Attr<int64_t>("splits")
+      .Attr<int64_t>("tile_m");
+}
+
 }  // namespace
 }  // namespace cuda
 }  // namespace jf4
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4WMatmulV1Cuda, jf4::cuda::WMatmulImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()  // x (M, K) bf16/f16 (tile_m > 0:
-                                                          // (M, K128), permuted)
-                                  .Arg<ffi::AnyBuffer>()  // codes (N, K/2) u8
-                                  .Arg<ffi::AnyBuffer>()  // scales (N, K/bs)
-                                  .Arg<ffi::AnyBuffer>()  // zeros (N, K/bs) u8 or (0,)
-                                  .Arg<ffi::AnyBuffer>()  // ts (N,) f32
-                                  .Ret<ffi::AnyBuffer>()  // partial sums (S, M, N) f32, or
-                                                          // x's dtype when S = 1
-                                  .Attr<int32_t>("fmt")
-                                  .Attr<int64_t>("block_size")
-                                  .Attr<int32_t>("two_level")
-                                  .Attr<int64_t>("splits")
-                                  .Attr<int64_t>("tile_m")
-                                  .Attr<int64_t>("cluster"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4WMatmulV1Cuda, jf4::cuda::WMatmulV1Impl,
+                              jf4::cuda::WMatmulBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4WMatmulV2Cuda, jf4::cuda::WMatmulImpl,
+                              jf4::cuda::WMatmulBinding().Attr<int64_t>("cluster"));
