@@ -50,8 +50,9 @@ constexpr int kRowTiles = 2;                          // 16-row weight tiles per
 constexpr int kRowsPerCta = kWarps * kRowTiles * 16;  // 128
 constexpr int kStepK = 128;                           // k per super-step (staged kernel)
 constexpr int kXStride = 320;  // bytes per staged activation row: 256 + 64 (no bank conflicts)
-constexpr int kCopies = 16;    // pair-table copies (decode kernel): lane l reads copy l % 16,
-                               // which lies in bank pair l % 16: conflict-free
+constexpr int kCopies = 16;    // pair-table copies (direct kernel, wgmma where they fit,
+                               // wg_copies): lane l reads copy l % 16, which lies in bank
+                               // pair l % 16: conflict-free
 constexpr int kStagedCopies = 4;  // staged kernel (decode amortised over MT activation tiles)
 
 struct WParams {
