@@ -828,8 +828,8 @@ template <int BN>  // threads per CTA: two warpgroups (+ the producer warpgroup)
 __host__ __device__ constexpr int wg_threads() { return kWgThreads + (wg_producer<BN>() ? 128 : 0); }
 constexpr int kWgProducerRegs = 40, kWgConsumerRegs = 232;  // 128 x 40 + 256 x 232 <= 64K
 // Clusters of two CTAs along the weight rows that share the activation tile (TMA multicast,
-// see Pipeline above): the kernels with a producer warpgroup can run in them, launch_wgmma
-// decides per call (wg_multicast).
+// see Pipeline above): the kernels with a producer warpgroup can run in them; the caller
+// decides per call (attribute `cluster`, primitives.wmatmul_cluster).
 template <int BN>
 __host__ __device__ constexpr bool wg_can_multicast() { return wg_producer<BN>(); }
 // Copies of the table path's pair table (fill_table): 16 where the 32 KB fit beside the
@@ -980,7 +980,7 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
 
-  // CTAs in the cluster: 1, or 2 sharing the activation tile (launch_wgmma, wg_multicast)
+  // CTAs in the cluster: 1, or 2 sharing the activation tile (launch_wgmma, p.cluster)
   uint32_t ncl = 1;
   if constexpr (wg_can_multicast<BN>()) asm("mov.u32 %0, %%cluster_nctarank;\n" : "=r"(ncl));
   // raster: runs of kWgGroupM activation tiles per weight tile (per ncl adjacent weight
@@ -1345,8 +1345,8 @@ cudaError_t launch_wgmma(cudaStream_t stream, const uint16_t* xp, const uint8_t*
                         kWgBoxCols, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_128B);
     if (e != cudaSuccess) return e;
   }
-  // weight tiles rounded up to whole clusters (the kernel's raster)
-  // clusters of p.cluster CTAs (jax_fp4/primitives.py, wmatmul_cluster)
+  // clusters of p.cluster CTAs (jax_fp4/primitives.py, wmatmul_cluster), the weight tiles
+  // rounded up to whole clusters (the kernel's raster)
   const int cluster_ctas = wg_can_multicast<BN>() && p.cluster == 2 ? 2 : 1;
   const int64_t n_tiles = ((p.N + kWgRows - 1) / kWgRows + cluster_ctas - 1) / cluster_ctas * cluster_ctas;
   const int64_t tiles = ((p.M + BN - 1) / BN) * n_tiles;
