@@ -166,7 +166,7 @@ def test_fused_wgmma_scale_boxes(fmt, bs, kw, dtype, rng, monkeypatch):
 
 
 # The BN = 256 kernel in 2-CTA clusters that multicast x (forced from M = 1 here; the rule
-# takes them from M = 512-1025): N = 264 is three 128-row weight tiles, so the second
+# takes them from M = 512 or 2048, wmatmul_cluster): N = 264 is three 128-row weight tiles, so the second
 # cluster has a CTA wholly past N that still copies its half of x for the other; N = 200
 # ends inside the second CTA; S = 3 splits K (the pair shares the split's steps). Only
 # who copies x changes, so the result equals the 1-CTA kernel's bit for bit.
