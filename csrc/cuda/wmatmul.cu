@@ -772,7 +772,7 @@ __global__ void __launch_bounds__(kWarps * 32, 4) wmatmul_direct_kernel(
 // Pipeline. The tensor memory accelerator copies each step's BN x 128 activation tile
 // (two 64-k boxes, zero past M) into the 128-byte-swizzled K-major layout that the wgmma
 // descriptor names, and the step's weight codes (128 rows x 64 bytes, zero past N and K)
-// behind it, completing on the stage's `full` mbarrier; wg_stages<BN> stages. The copies
+// behind it, completing on the stage's `full` mbarrier; wg_stages<FMT, BITS, BN> stages. The copies
 // carry L2 hints: the codes, read once, are evicted first, the activations, which every
 // CTA re-reads, last (without them the codes pushed x out of L2 and the kernel read 31%
 // more DRAM bytes than the weight; benchmarks/NOTES.md, round 3). A
@@ -816,8 +816,12 @@ constexpr int kWgStepK = 128;  // k per step
 constexpr int kWgGroupM = 8;   // CTA raster: kWgGroupM activation tiles per weight tile run
 constexpr int kOutStride = kWgRows + 4;  // epilogue floats per activation row (no conflicts)
 
-template <int BN>  // 4 stages where they fit, else 3
-__host__ __device__ constexpr int wg_stages() { return BN >= 256 ? 3 : 4; }
+// 4 stages where they fit, else 3: at BN = 256, and for the table path at BN = 64, whose
+// 16 table copies (wg_copies) fit beside 3 stages at two CTAs per SM, not beside 4
+template <int FMT, bool BITS, int BN>
+__host__ __device__ constexpr int wg_stages() {
+  return BN >= 256 || (BN == 64 && !BITS && FMT != kINT4) ? 3 : 4;
+}
 // steps of weight chunks loaded ahead: 2 where the registers allow (M = 16: 5-8% faster
 // than 1; without the .L2::128B line prefetch, 2-4 were no faster)
 template <int BN>
@@ -833,14 +837,15 @@ constexpr int kWgProducerRegs = 40, kWgConsumerRegs = 232;  // 128 x 40 + 256 x 
 template <int BN>
 __host__ __device__ constexpr bool wg_can_multicast() { return wg_producer<BN>(); }
 // Copies of the table path's pair table (fill_table): 16 where the 32 KB fit beside the
-// stages and their scale boxes without costing a CTA per SM (BN = 16, 32 and 128; lane l
-// reads copy l % 16, which lies in bank pair l % 16: conflict-free, as the direct kernel),
-// else 4 (BN = 64 and 256, and INT4's table path, whose 4 KB boxes would not fit at BN =
-// 32): nf4 on 8192 x 28672, M = 16 126 -> 82 us, M = 32 131 -> 87, M = 128 196 -> 145
-// (benchmarks/NOTES.md round 6).
+// stages and their scale boxes without costing a CTA per SM (BN <= 128, at BN = 64 with
+// one stage fewer; lane l reads copy l % 16, which lies in bank pair l % 16:
+// conflict-free, as the direct kernel), else 4 (BN = 256, and INT4's table path, whose
+// 4 KB boxes would not fit at BN = 32). nf4 on 8192 x 28672 (harness): M = 16 126 -> 82
+// us, M = 32 131 -> 87, M = 128 196 -> 145 (benchmarks/NOTES.md round 6); M = 64 (3
+// stages) 141 -> 94 (round 7).
 template <int FMT, int BN>
 __host__ __device__ constexpr int wg_copies() {
-  return (BN <= 32 || BN == 128) && FMT != kINT4 ? kCopies : kStagedCopies;
+  return BN <= 128 && FMT != kINT4 ? kCopies : kStagedCopies;
 }
 template <int BN>  // code words (of each of a lane's two rows) decoded per wgmma group:
 __host__ __device__ constexpr int wg_words() { return BN >= 256 ? 1 : 2; }
@@ -860,7 +865,7 @@ template <int FMT>  // a stage's scale box, and INT4's zero-point box
 __host__ __device__ constexpr int wg_side_bytes() { return (FMT == kINT4 ? 2 : 1) * kWgBoxBytes; }
 template <int FMT, int BN, bool BITS>
 __host__ __device__ constexpr int wg_smem_for(int stage_bytes) {
-  const int pipe = wg_stages<BN>() * stage_bytes;
+  const int pipe = wg_stages<FMT, BITS, BN>() * stage_bytes;
   const int epi = BN * kOutStride * 4;
   return 1024 /* alignment slack */ + (pipe > epi ? pipe : epi) +
          (BITS ? 0 : 256 * wg_copies<FMT, BN>() * 8);
@@ -875,7 +880,7 @@ template <int FMT, bool BITS, int BN>
 __host__ __device__ constexpr bool wg_boxes() {
   return BN <= 128 && FMT != kNVFP4 &&
          wg_ctas<BN>() * (wg_smem_for<FMT, BN, BITS>(wg_x_bytes<BN>() + kWgCodeBytes + wg_side_bytes<FMT>()) +
-                          1024 + 2 * wg_stages<BN>() * 8) <= 228 * 1024;
+                          1024 + 2 * wg_stages<FMT, BITS, BN>() * 8) <= 228 * 1024;
 }
 template <int FMT, bool BITS, int BN>  // stage = [activation tile | weight codes | boxes]
 __host__ __device__ constexpr int wg_stage_bytes() {
@@ -944,7 +949,7 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
     const uint8_t* __restrict__ codes, const void* __restrict__ scales, const uint8_t* __restrict__ zeros,
     const float* __restrict__ ts, void* __restrict__ out, const WParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr int kStages = wg_stages<BN>();
+  constexpr int kStages = wg_stages<FMT, BITS, BN>();
   constexpr bool kProducer = wg_producer<BN>();
   constexpr int kWords = wg_words<BN>();
   constexpr int kStage = wg_stage_bytes<FMT, BITS, BN>();
