@@ -112,7 +112,8 @@ def bench_rule(shape, m, fmt, x, q, r, t_bf16, rows):
             primitives.FUSED_MAX_M = primitives.FUSED_MAX_M_WGMMA_FOLDED = limit
             primitives.FUSED_MAX_M_WGMMA = dict.fromkeys(primitives.FUSED_FORMATS, limit)
             primitives.wgmma_available = lambda wgmma=wgmma: wgmma
-            primitives._WGMMA_MIN_M = primitives._WGMMA_MIN_M_FOLDED = 1
+            primitives._WGMMA_MIN_M = dict.fromkeys(primitives.FUSED_FORMATS, 1)
+            primitives._WGMMA_MIN_M_FOLDED = 1
             fn = jax.jit(lambda x, *q: [jf.matmul(x, v) for v in q])
             t = timed(fn, (x, *q), r)
             rows.append((shape, m, f"{fmt} (rule)", label, t * 1e6, t_bf16 * 1e6,

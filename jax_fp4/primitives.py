@@ -449,13 +449,18 @@ _FUSED_TARGET = "jax_fp4_wmatmul_v2"
 # sweep (S = 1, 2, 4, 7) at M = 32-128 on the two shapes above was fastest at the
 # smallest S that fills the GPU.
 _FUSED_DIRECT_MAX_M = 16
-# The wgmma kernel from M = 9 (tile_m = 16 up to M = 16), and from M = 1 where it decodes
-# with one multiply per pair (wmatmul_folded). bench_matmul.py --rule-ms 1 2 4 8, H100,
-# 8192 x 28672 / 28672 x 8192, wgmma vs direct (us): one-level nvfp4 bf16 M = 1: 60.2 /
-# 59.6 vs 62.2 / 65.4, M = 2: 60.3 / 60.1 vs 63.6 / 67.0; mxfp4 M = 4: 64.9 / 61.2 vs
-# 62.0 / 59.1; int4 M = 4: 67.9 / 65.3 vs 66.9 / 65.2; nf4 M = 8: 123.7 / 111.2 vs 94.3 /
-# 90.5 (benchmarks/RESULTS.md round 4, table E).
-_WGMMA_MIN_M = 9
+# The wgmma kernel from _WGMMA_MIN_M[fmt] rows of x (tile_m = 16 up to M = 16), and from
+# M = 1 where it decodes with one multiply per pair (wmatmul_folded). Measured on an H100,
+# 8192 x 28672 / 28672 x 8192, wgmma vs direct kernel (us):
+# - one-level nvfp4 bf16 (bench_matmul.py --rule-ms, RESULTS.md round 4 E): M = 1 60.2 /
+#   59.6 vs 62.2 / 65.4, M = 2 60.3 / 60.1 vs 63.6 / 67.0.
+# - the table decode (nf4; bnb_fp4 decodes the same way), since its 16 table copies
+#   (harness, RESULTS.md round 7 B): M = 1 80.7 / 71.9 vs 76.9 / 74.6, M = 2 80.4 / 71.1
+#   vs 80.5 / 77.5, M = 4 80.7 / 70.8 vs 84.5 / 81.2, M = 8 80.5 / 71.7 vs 92.5 / 89.4.
+# - mxfp4 (bf16 x): M = 6 64.9 / 57.9 vs 61.1 / 60.3, M = 8 65.1 / 58.6 vs 64.1 / 62.1;
+#   int4 (bf16 scales): M = 6 69.7 / 68.1 vs 68.4 / 67.7, M = 8 67.2 / 67.0 vs 71.0 / 69.2.
+# - one-level nvfp4 with f16 x and two-level nvfp4: 9 (not remeasured).
+_WGMMA_MIN_M = {"nvfp4": 9, "mxfp4": 8, "nf4": 2, "bnb_fp4": 2, "int4": 8}
 _WGMMA_MIN_M_FOLDED = 1
 _FUSED_GEOMETRY = {"direct": (128, 256, 4, 1), "staged": (128, 128, 4, 2),
                    16: (128, 128, 2, 16), 32: (128, 128, 2, 16), 64: (128, 128, 2, 16),
@@ -509,7 +514,8 @@ def fused_wmatmul_applies(avals_in, params):
     folded = wmatmul_folded(params["fmt"], x.dtype, params["two_level"])
     if params["fmt"] not in FUSED_FORMATS:
         return False
-    max_m = wgmma_max_m(params["fmt"], folded) if wmatmul_tile_m(m, folded=folded) else FUSED_MAX_M
+    max_m = (wgmma_max_m(params["fmt"], folded) if wmatmul_tile_m(m, params["fmt"], folded=folded)
+             else FUSED_MAX_M)
     return (np.dtype(x.dtype) in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
             and 1 <= m <= max_m
             and codes.shape[0] >= 1 and k % 32 == 0 and bs >= 16 and bs & (bs - 1) == 0)
@@ -560,10 +566,11 @@ def wmatmul_folded(fmt, x_dtype, two_level):
     return fmt == "nvfp4" and not two_level and np.dtype(x_dtype) == np.dtype(jnp.bfloat16)
 
 
-def wgmma_min_m(folded=False):
-    """The fewest rows of x for which the wgmma kernel runs (where available): 1 where the
-    decode is one multiply per pair (`folded`, wmatmul_folded), else 9."""
-    return _WGMMA_MIN_M_FOLDED if folded else _WGMMA_MIN_M
+def wgmma_min_m(fmt, folded=False):
+    """The fewest rows of x for which the wgmma kernel runs (where available) for weight
+    format `fmt`: 1 where the decode is one multiply per pair (`folded`, wmatmul_folded),
+    else _WGMMA_MIN_M[fmt]."""
+    return _WGMMA_MIN_M_FOLDED if folded else _WGMMA_MIN_M[fmt]
 
 
 def wgmma_max_m(fmt, folded=False):
@@ -596,10 +603,10 @@ def wmatmul_cluster(fmt, m, tile_m):
     return 2 if tile_m == 256 and min_m is not None and m >= min_m else 1
 
 
-def wmatmul_tile_m(m, wgmma=None, folded=False):
-    """Activation rows per CTA of the wgmma kernel for M rows of x (0: the mma.sync
-    kernels: M < wgmma_min_m(folded), or no wgmma)."""
-    if m < wgmma_min_m(folded) or not (wgmma_available() if wgmma is None else wgmma):
+def wmatmul_tile_m(m, fmt, wgmma=None, folded=False):
+    """Activation rows per CTA of the wgmma kernel for M rows of x and weight format `fmt`
+    (0: the mma.sync kernels: M < wgmma_min_m(fmt, folded), or no wgmma)."""
+    if m < wgmma_min_m(fmt, folded) or not (wgmma_available() if wgmma is None else wgmma):
         return 0
     return 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128 if m <= 128 else 256
 
@@ -609,7 +616,7 @@ def _wmatmul_fused(x, codes, scales, zeros, ts, *, fmt, block_size, two_level, o
     """The fused kernel: one split writes the output in x's dtype (or float32) itself; K
     splits leave float32 partial sums that XLA adds and casts."""
     m, k = x.shape
-    tile_m = wmatmul_tile_m(m, folded=wmatmul_folded(fmt, x.dtype, two_level))
+    tile_m = wmatmul_tile_m(m, fmt, folded=wmatmul_folded(fmt, x.dtype, two_level))
     splits = wmatmul_splits(m, codes.shape[0], k, tile_m=tile_m)
     final = splits == 1 and np.dtype(out_dtype) in (np.dtype(x.dtype), np.dtype(np.float32))
     if tile_m:

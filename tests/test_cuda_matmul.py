@@ -71,7 +71,7 @@ def _folded(fmt, kw, dtype):
 
 
 def _wgmma_min_m(fmt, kw, dtype):
-    return primitives.wgmma_min_m(_folded(fmt, kw, dtype))
+    return primitives.wgmma_min_m(fmt, _folded(fmt, kw, dtype))
 
 
 def _check_fused(fmt, bs, kw, dtype, m, k, n, family, rng, splits=None, cluster=None):
@@ -92,7 +92,7 @@ def _check_fused(fmt, bs, kw, dtype, m, k, n, family, rng, splits=None, cluster=
                                               preferred_element_type=jnp.float32))
     text = f32.lower(xg, qg).as_text()
     assert "jax_fp4_wmatmul_v2" in text, f"{fmt} M={m} K={k}: fused kernel not used"
-    want_tile = primitives.wmatmul_tile_m(m, folded=_folded(fmt, kw, dtype))
+    want_tile = primitives.wmatmul_tile_m(m, fmt, folded=_folded(fmt, kw, dtype))
     assert f"tile_m = {want_tile} " in text, (m, want_tile)
     assert (want_tile > 0) == (family == "wgmma" and m >= _wgmma_min_m(fmt, kw, dtype)), m
     if splits is not None:
