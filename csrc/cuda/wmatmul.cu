@@ -816,11 +816,13 @@ constexpr int kWgStepK = 128;  // k per step
 constexpr int kWgGroupM = 8;   // CTA raster: kWgGroupM activation tiles per weight tile run
 constexpr int kOutStride = kWgRows + 4;  // epilogue floats per activation row (no conflicts)
 
-// 4 stages where they fit, else 3: at BN = 256, and for the table path at BN = 64, whose
-// 16 table copies (wg_copies) fit beside 3 stages at two CTAs per SM, not beside 4
+// 4 stages where they fit, else 3: at BN = 256, and at BN = 64 for the table path and
+// INT4, whose 16 table copies (wg_copies) or scale and zero-point boxes (wg_boxes) fit
+// beside 3 stages at two CTAs per SM, not beside 4 (harness, H100, M = 64: nf4 141 -> 94
+// us, int4 90 -> 75-79 us; benchmarks/NOTES.md round 7)
 template <int FMT, bool BITS, int BN>
 __host__ __device__ constexpr int wg_stages() {
-  return BN >= 256 || (BN == 64 && !BITS && FMT != kINT4) ? 3 : 4;
+  return BN >= 256 || (BN == 64 && (!BITS || FMT == kINT4)) ? 3 : 4;
 }
 // steps of weight chunks loaded ahead: 2 where the registers allow (M = 16: 5-8% faster
 // than 1; without the .L2::128B line prefetch, 2-4 were no faster)
