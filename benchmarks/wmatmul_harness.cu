@@ -124,6 +124,8 @@ int main(int argc, char** argv) {
 
   WParams p{};
   p.M = M; p.N = N; p.K = K; p.K32 = static_cast<int>(K);
+  // JF4_PAD_X=1: x with M rounded up to TILE_M rows (as primitives.wmatmul_x_layout pads it)
+  p.x_rows = tile_m > 0 && std::getenv("JF4_PAD_X") ? (M + tile_m - 1) / tile_m * tile_m : M;
   p.nb = K / bs; p.bs = bs;
   while ((1 << p.bs_shift) < bs) ++p.bs_shift;
   const int64_t step = step_k(M, tile_m);
@@ -153,10 +155,10 @@ int main(int argc, char** argv) {
   uint16_t* x;
   float* ts;
   void* out;
-  CK(cudaMalloc(&x, size_t(M) * x_cols * 2));
+  CK(cudaMalloc(&x, size_t(p.x_rows) * x_cols * 2));
   CK(cudaMalloc(&ts, size_t(N) * 4));
   CK(cudaMalloc(&out, size_t(splits) * M * N * 4));
-  fill_u16<<<1024, 256>>>(x, size_t(M) * x_cols, 3, 0xff, 0x3f00);  // bf16 in [0.5, 1)
+  fill_u16<<<1024, 256>>>(x, size_t(p.x_rows) * x_cols, 3, 0xff, 0x3f00);  // bf16 in [0.5, 1)
   fill_f32<<<1024, 256>>>(ts, N, 1.f);
   CK(cudaDeviceSynchronize());
 

@@ -521,23 +521,28 @@ def fused_wmatmul_applies(avals_in, params):
             and codes.shape[0] >= 1 and k % 32 == 0 and bs >= 16 and bs & (bs - 1) == 0)
 
 
-def wmatmul_x_layout(x, bit_path):
-    """x (M, K) -> (M, K128) as the wgmma kernel stages it: zero-padded to a multiple of
+def wmatmul_x_layout(x, bit_path, tile_m=1):
+    """x (M, K) -> (M', K128) as the wgmma kernel stages it: K zero-padded to a multiple of
     128 and permuted within each 128-k block into the k order of the kernel's A fragments
-    (csrc/cuda/wmatmul.cu, "wgmma kernel"). Block position 32 s2 + 16 hh + 8 sec + 2 tt + e
-    holds element 32 tt + 8 s2 + 4 e + 2 hh + sec (bit path: a register pairs elements
-    p, p + 4 of a code word) or 32 tt + 8 s2 + 4 hh + 2 sec + e (table path: elements
-    2 i, 2 i + 1); tt is the lane's k quarter, s2 the code word, hh / sec the two MMA
-    steps a word feeds and the two pairs of each."""
+    (csrc/cuda/wmatmul.cu, "wgmma kernel"); M' = M rounded up to a multiple of `tile_m`
+    with zero rows, so that no activation box of the tensor memory accelerator reaches past
+    x's rows (boxes partly out of bounds made the kernel 10-39% slower at tile_m >= 64:
+    H100, nvfp4 8192 x 28672, M = 129: 277 -> 173 us; benchmarks/NOTES.md round 7).
+    Block position 32 s2 + 16 hh + 8 sec + 2 tt + e holds element 32 tt + 8 s2 + 4 e +
+    2 hh + sec (bit path: a register pairs elements p, p + 4 of a code word) or 32 tt +
+    8 s2 + 4 hh + 2 sec + e (table path: elements 2 i, 2 i + 1); tt is the lane's k
+    quarter, s2 the code word, hh / sec the two MMA steps a word feeds and the two pairs
+    of each."""
     m, k = x.shape
     kp = -(-k // 128) * 128
-    if kp != k:
-        x = jnp.pad(x, ((0, 0), (0, kp - k)))
+    mp = -(-m // tile_m) * tile_m
+    if (mp, kp) != (m, k):
+        x = jnp.pad(x, ((0, mp - m), (0, kp - k)))
     if bit_path:  # (tt, s2, e, hh, sec) -> (s2, hh, sec, tt, e)
-        x = x.reshape(m, kp // 128, 4, 4, 2, 2, 2).transpose(0, 1, 3, 5, 6, 2, 4)
+        x = x.reshape(mp, kp // 128, 4, 4, 2, 2, 2).transpose(0, 1, 3, 5, 6, 2, 4)
     else:  # (tt, s2, hh, sec, e) -> (s2, hh, sec, tt, e)
-        x = x.reshape(m, kp // 128, 4, 4, 2, 2, 2).transpose(0, 1, 3, 4, 5, 2, 6)
-    return x.reshape(m, kp)
+        x = x.reshape(mp, kp // 128, 4, 4, 2, 2, 2).transpose(0, 1, 3, 4, 5, 2, 6)
+    return x.reshape(mp, kp)
 
 
 def wmatmul_bit_path(fmt, x_dtype, two_level, scale_dtype):
@@ -620,7 +625,7 @@ def _wmatmul_fused(x, codes, scales, zeros, ts, *, fmt, block_size, two_level, o
     splits = wmatmul_splits(m, codes.shape[0], k, tile_m=tile_m)
     final = splits == 1 and np.dtype(out_dtype) in (np.dtype(x.dtype), np.dtype(np.float32))
     if tile_m:
-        x = wmatmul_x_layout(x, wmatmul_bit_path(fmt, x.dtype, two_level, scales.dtype))
+        x = wmatmul_x_layout(x, wmatmul_bit_path(fmt, x.dtype, two_level, scales.dtype), tile_m)
     part = jax.ffi.ffi_call(
         _FUSED_TARGET,
         jax.ShapeDtypeStruct((splits, m, codes.shape[0]), out_dtype if final else jnp.float32))(

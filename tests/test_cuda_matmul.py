@@ -242,6 +242,47 @@ def test_wmatmul_handler_rejects_foreign_block_size(fmt, bs):
             tile_m=np.int64(0), cluster=np.int64(2)))(*args))
 
 
+@pytest.mark.parametrize("m,k,n", [(33, 640, 136), (129, 1024, 264)])
+def test_fused_wgmma_padded_x_rows(m, k, n, rng, monkeypatch):
+    """The lowering pads x with zero rows to a multiple of tile_m (no activation box
+    reaches past x); x with M rows (jax.export artifacts from before) gives the same
+    result bit for bit; any other row count is refused with the counts named."""
+    assert jf.capabilities()["kernels"]["cuda"], jf.capabilities()["load_error"]
+    if not primitives.wgmma_available():
+        pytest.skip("the wgmma kernel needs a compute capability 9.0 GPU and an sm_90a build")
+    monkeypatch.setattr(primitives, "FUSED_MAX_M", 1 << 30)
+    x = jax.device_put(jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16), _gpu())
+    w = jnp.asarray(rng.standard_normal((k, n)), jnp.float32)
+    outs = []
+    for fmt in ("nvfp4", "nf4"):
+        q = jax.device_put(jf.quantize(jax.device_put(w, _cpu()), fmt, axis=0), _gpu())
+        for pad in (True, False):
+            if not pad:
+                layout = primitives.wmatmul_x_layout
+                monkeypatch.setattr(primitives, "wmatmul_x_layout", lambda x, b, t=1: layout(x, b))
+            f = jax.jit(lambda x, q: jf.dot_general(x, q, (((1,), (0,)), ((), ())),
+                                                    preferred_element_type=jnp.float32))
+            text = f.lower(x, q).as_text()
+            tile = primitives.wmatmul_tile_m(m, fmt, folded=fmt == "nvfp4")
+            assert f"tile_m = {tile} " in text and tile > 0 and m % tile != 0
+            assert (f"tensor<{-(-m // tile) * tile}x" in text) == pad  # x's rows as passed
+            outs.append(np.asarray(f(x, q)))
+            monkeypatch.undo()
+            monkeypatch.setattr(primitives, "FUSED_MAX_M", 1 << 30)
+        np.testing.assert_array_equal(outs[-2], outs[-1], err_msg=fmt)
+    # rows neither M nor M rounded up to tile_m
+    kk, nn = 256, 128
+    args = jax.device_put((jnp.ones((5, kk), jnp.bfloat16), jnp.zeros((nn, kk // 2), jnp.uint8),
+                           jnp.zeros((nn, kk // 16), jnp.uint8), jnp.zeros((0,), jnp.uint8),
+                           jnp.ones((nn,), jnp.float32)), _gpu())
+    call = jax.ffi.ffi_call(primitives._FUSED_TARGET, jax.ShapeDtypeStruct((1, 4, nn), jnp.float32))
+    with pytest.raises(Exception, match=r"buffer `x` must have the output's M = 4 rows, or M "
+                                        r"rounded up to tile_m \(16\), got 5"):
+        jax.block_until_ready(jax.jit(lambda *a: call(
+            *a, **primitives._attrs("nvfp4", 16, two_level=False), splits=np.int64(1),
+            tile_m=np.int64(16), cluster=np.int64(1)))(*args))
+
+
 def test_wmatmul_grad_and_large_m_path(rng):
     k, n = 512, 256
     w = jnp.asarray(rng.standard_normal((k, n)), jnp.float32)

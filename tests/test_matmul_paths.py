@@ -180,13 +180,14 @@ def test_wmatmul_x_layout(bit_path):
     """The wgmma kernel's activation order (csrc/cuda/wmatmul.cu): block position
     32 s2 + 16 hh + 8 sec + 2 tt + e holds element 32 tt + 8 s2 + 4 e + 2 hh + sec (bit
     path) or 32 tt + 8 s2 + 4 hh + 2 sec + e (table path) of its 128-k block; K is
-    zero-padded to a multiple of 128."""
+    zero-padded to a multiple of 128, M with zero rows to a multiple of tile_m."""
     m, k = 3, 160
     x = (jnp.arange(m * k, dtype=jnp.float32).reshape(m, k) + 1).astype(jnp.bfloat16)
-    y = np.asarray(primitives.wmatmul_x_layout(x, bit_path), np.float32)
-    assert y.shape == (m, 256)
-    xp = np.zeros((m, 256), np.float32)
-    xp[:, :k] = np.asarray(x, np.float32)
+    assert primitives.wmatmul_x_layout(x, bit_path).shape == (m, 256)
+    y = np.asarray(primitives.wmatmul_x_layout(x, bit_path, 16), np.float32)
+    assert y.shape == (16, 256)
+    xp = np.zeros((16, 256), np.float32)
+    xp[:m, :k] = np.asarray(x, np.float32)
     for pos in range(256):
         blk, q = divmod(pos, 128)
         s2, hh, sec, tt, e = q // 32, q // 16 % 2, q // 8 % 2, q // 2 % 4, q % 2

@@ -57,6 +57,7 @@ constexpr int kStagedCopies = 4;  // staged kernel (decode amortised over MT act
 
 struct WParams {
   int64_t M, N, K;
+  int64_t x_rows;          // wgmma kernel: rows of x, M or M rounded up to tile_m (zero rows)
   int K32;                 // K as int (K < 2^31 is checked by the handler)
   int64_t nb;              // scale blocks per weight row
   int bs;                  // block size: a power of two >= 16
@@ -1325,7 +1326,7 @@ cudaError_t launch_wgmma(cudaStream_t stream, const uint16_t* xp, const uint8_t*
   CUtensorMap x_map, w_map;
   const int64_t k128 = p.n_steps * kWgStepK;
   cudaError_t e = tensor_map_2d(&x_map, BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-                                xp, p.M, k128, 2 * k128, BN, 64, CU_TENSOR_MAP_SWIZZLE_128B,
+                                xp, p.x_rows, k128, 2 * k128, BN, 64, CU_TENSOR_MAP_SWIZZLE_128B,
                                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
   if (e == cudaSuccess)
     e = tensor_map_2d(&w_map, CU_TENSOR_MAP_DATA_TYPE_UINT8, cp, p.N, p.K / 2, p.K / 2, kWgRows,
@@ -1471,10 +1472,21 @@ ffi::Error WMatmulImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer cod
     return invalid(where, "buffer `x` must be 2-D (M, " + std::to_string(x_cols) +
                               ") for K = " + std::to_string(K) + " and tile_m = " +
                               std::to_string(tile_m) + ", got shape " + dims_str(x.dimensions()));
-  const int64_t M = x.dimensions()[0];
-  if (tile_m > 0 && (M >= (int64_t{1} << 31) || codes.dimensions()[0] >= (int64_t{1} << 31)))
+  // M = the output's rows; the wgmma kernel's x may have M rounded up to tile_m (zero rows,
+  // primitives.wmatmul_x_layout), so that no activation box reaches past x's rows
+  if (out->dimensions().size() != 3)
+    return invalid(where, "result `out` must be 3-D (splits, M, N), got shape " + dims_str(out->dimensions()));
+  const int64_t M = out->dimensions()[1];
+  const int64_t x_rows = x.dimensions()[0];
+  const int64_t m_tiled = tile_m > 0 ? (M + tile_m - 1) / tile_m * tile_m : M;
+  if (x_rows != M && x_rows != m_tiled)
+    return invalid(where, "buffer `x` must have the output's M = " + std::to_string(M) + " rows" +
+                              (tile_m > 0 ? ", or M rounded up to tile_m (" + std::to_string(m_tiled) + ")"
+                                          : std::string()) +
+                              ", got " + std::to_string(x_rows));
+  if (tile_m > 0 && (x_rows >= (int64_t{1} << 31) || codes.dimensions()[0] >= (int64_t{1} << 31)))
     return invalid(where, "the wgmma kernel (tile_m > 0) needs M < 2^31 and N < 2^31 (tensor "
-                          "memory accelerator coordinates), got M = " + std::to_string(M) +
+                          "memory accelerator coordinates), got M = " + std::to_string(x_rows) +
                               ", N = " + std::to_string(codes.dimensions()[0]));
   Problem p;
   JF4_RETURN_IF_ERROR(validate_problem(where, fmt, block_size, 0, two_level,
@@ -1510,6 +1522,7 @@ ffi::Error WMatmulImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer cod
   }
   WParams w;
   w.M = M;
+  w.x_rows = x_rows;
   w.N = p.R;
   w.K = K;
   w.K32 = static_cast<int>(K);
@@ -1543,7 +1556,7 @@ ffi::Error WMatmulV1Impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer c
 auto WMatmulBinding() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::PlatformStream<cudaStream_t>>()
-      .Arg<ffi::AnyBuffer>()  // x (M, K) bf16/f16 (tile_m > 0: (M, K128), permuted)
+      .Arg<ffi::AnyBuffer>()  // x (M, K) bf16/f16 (tile_m > 0: (M or M rounded up to tile_m, K128), permuted)
       .Arg<ffi::AnyBuffer>()  // codes (N, K/2) u8
       .Arg<ffi::AnyBuffer>()  // scales (N, K/bs)
       .Arg<ffi::AnyBuffer>()  // zeros (N, K/bs) u8 or (0,)
