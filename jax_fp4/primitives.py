@@ -616,12 +616,35 @@ def wmatmul_tile_m(m, fmt, wgmma=None, folded=False):
     return 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128 if m <= 128 else 256
 
 
+def wmatmul_head_rows(m, n, k, tile_m, sms=None):
+    """Rows of x for a first launch when M = 256 q + r (q >= 1, 0 < r <= 128) at tile_m =
+    256: the last r rows then take a second launch with the tile the size rule gives r
+    (16-128 rows, or the mma.sync kernel) instead of a whole 256-row tile, which costs
+    about as much as 256 rows. Only where the first launch alone fills >= 90% of a wave
+    (ceil(N / 128) x q CTAs x its K-splits), so the second does not idle the GPU's other
+    half. 0: one launch."""
+    r = m % 256
+    if tile_m != 256 or m < 256 or r == 0 or r > 128:
+        return 0
+    head = m - r
+    rows, _, per_sm, _ = _FUSED_GEOMETRY[256]
+    items = -(-n // rows) * (head // 256) * wmatmul_splits(head, n, k, sms=sms, tile_m=256)
+    return head if items >= 0.9 * per_sm * (sms or _sm_count()) else 0
+
+
 def _wmatmul_fused(x, codes, scales, zeros, ts, *, fmt, block_size, two_level, out_dtype,
                    precision, impl):
     """The fused kernel: one split writes the output in x's dtype (or float32) itself; K
-    splits leave float32 partial sums that XLA adds and casts."""
+    splits leave float32 partial sums that XLA adds and casts. A ragged last 256-row tile
+    becomes a second launch (wmatmul_head_rows)."""
     m, k = x.shape
     tile_m = wmatmul_tile_m(m, fmt, folded=wmatmul_folded(fmt, x.dtype, two_level))
+    head = wmatmul_head_rows(m, codes.shape[0], k, tile_m)
+    if head:
+        part = functools.partial(_wmatmul_fused, codes=codes, scales=scales, zeros=zeros, ts=ts,
+                                 fmt=fmt, block_size=block_size, two_level=two_level,
+                                 out_dtype=out_dtype, precision=precision, impl=impl)
+        return jnp.concatenate([part(x[:head]), part(x[head:])], axis=0)
     splits = wmatmul_splits(m, codes.shape[0], k, tile_m=tile_m)
     final = splits == 1 and np.dtype(out_dtype) in (np.dtype(x.dtype), np.dtype(np.float32))
     if tile_m:

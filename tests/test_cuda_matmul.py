@@ -283,6 +283,24 @@ def test_fused_wgmma_padded_x_rows(m, k, n, rng, monkeypatch):
             tile_m=np.int64(16), cluster=np.int64(1)))(*args))
 
 
+@pytest.mark.parametrize("fmt,bs,kw,dtype", [W_CASES[0], W_CASES[2], W_CASES[3]], ids=str)
+def test_fused_wgmma_ragged_last_tile(fmt, bs, kw, dtype, rng, monkeypatch):
+    """M = 300 on a weight wide enough for one full wave: the first 256 rows on the
+    256-row tile, the last 44 in a second launch on the 64-row tile (wmatmul_head_rows);
+    the result as the reference's."""
+    assert jf.capabilities()["kernels"]["cuda"], jf.capabilities()["load_error"]
+    if not primitives.wgmma_available():
+        pytest.skip("the wgmma kernel needs a compute capability 9.0 GPU and an sm_90a build")
+    monkeypatch.setattr(primitives, "FUSED_MAX_M", 1 << 30)
+    m, k, n = 300, 256, 128 * primitives._sm_count()
+    assert primitives.wmatmul_head_rows(m, n, k, 256) == 256
+    x = jax.device_put(jnp.zeros((m, k), dtype), _gpu())
+    q = jax.device_put(jf.quantize(jnp.ones((k, n), jnp.float32), fmt, axis=0, block_size=bs, **kw), _gpu())
+    text = jax.jit(lambda x, q: jf.matmul(x, q)).lower(x, q).as_text()
+    assert text.count("jax_fp4_wmatmul_v2") == 2 and "tile_m = 256 " in text and "tile_m = 64 " in text
+    _check_fused(fmt, bs, kw, dtype, m, k, n, "wgmma", rng)
+
+
 def test_wmatmul_grad_and_large_m_path(rng):
     k, n = 512, 256
     w = jnp.asarray(rng.standard_normal((k, n)), jnp.float32)

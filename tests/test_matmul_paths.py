@@ -98,6 +98,22 @@ def test_wmatmul_tile_rule():
                 ((4096, 128), (129, 256), (4096, 256))] == want, fmt
 
 
+def test_wmatmul_head_rows_rule():
+    """A ragged last 256-row tile (M % 256 in 1..128) becomes a second launch, where the
+    first launch alone fills >= 90% of a wave (132 SMs, one CTA each at tile_m = 256)."""
+    head = primitives.wmatmul_head_rows
+    assert head(300, 28672, 8192, 256, sms=132) == 256  # 224 CTAs
+    assert head(1100, 28672, 8192, 256, sms=132) == 1024
+    assert head(300, 8192, 28672, 256, sms=132) == 256  # 64 CTAs x 2 K-splits
+    assert head(300, 4096, 4096, 256, sms=132) == 0  # 32 CTAs x 2: the GPU half idle
+    assert head(300, 16896, 256, 256, sms=132) == 256  # 132 CTAs, one K-split
+    assert head(300, 15232, 256, 256, sms=132) == 256  # 119 CTAs >= 0.9 x 132
+    assert head(300, 15104, 256, 256, sms=132) == 0  # 118 CTAs
+    for m in (129, 256, 400, 512, 1024):  # one tile, whole tiles, or a tail of > 128 rows
+        assert head(m, 28672, 8192, 256, sms=132) == 0, m
+    assert head(300, 28672, 8192, 128, sms=132) == 0  # only the 256-row tile
+
+
 @pytest.mark.parametrize("wgmma", [False, True])
 def test_fused_wmatmul_size_rule(wgmma, monkeypatch):
     """Fused up to FUSED_MAX_M, or wgmma_max_m where the wgmma kernel runs: further for
