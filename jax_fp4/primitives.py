@@ -476,14 +476,15 @@ def _sm_count():
     return int(n) if n else 132
 
 
-def wmatmul_splits(m, n, k, sms=None, tile_m=0):
+def wmatmul_splits(m, n, k, sms=None, tile_m=0, partials=0.25):
     """K-splits S of the fused kernel (grid = ceil(N / rows) x M-chunks x S CTAs).
 
     The smallest S whose CTAs fill their waves to >= 90% of the resident slots, with no
-    empty split, at least 1 (direct kernel) or 2 (staged) super-steps per split and the
-    float32 partial sums (S x M x N) under a quarter of the 4-bit weight's bytes; if none,
-    the S of best wave efficiency. (Measured on an H100 with 3 CTAs per SM, nvfp4 M = 1,
-    28672 x 8192: S = 6, 0.97 of a wave, 58.6 us; S = 11, 1.78 waves, 64.9 us.)"""
+    empty split, at least 1 (direct kernel), 2 (staged) or 16 (wgmma) super-steps per split
+    and the float32 partial sums (S x M x N x 4 bytes) at most `partials` times the 4-bit
+    codes' bytes; if none, the S of best wave efficiency. (Measured on an H100 with 3 CTAs
+    per SM, nvfp4 M = 1, 28672 x 8192: S = 6, 0.97 of a wave, 58.6 us; S = 11, 1.78 waves,
+    64.9 us.)"""
     direct = m <= _FUSED_DIRECT_MAX_M
     kind = tile_m or ("direct" if direct else "staged")
     rows, step, per_sm, min_steps = _FUSED_GEOMETRY[kind]
@@ -492,7 +493,7 @@ def wmatmul_splits(m, n, k, sms=None, tile_m=0):
     m_tile = tile_m or (m if direct else 64)
     ctas = -(-n // rows) * -(-m // m_tile)
     best, best_eff = 1, 0.0
-    for s in range(1, max(1, min(n_steps // min_steps, k // (32 * m))) + 1):
+    for s in range(1, max(1, min(n_steps // min_steps, int(partials * k / (8 * m)))) + 1):
         if -(-n_steps // -(-n_steps // s)) != s:
             continue  # some splits would be empty (the kernel splits K in whole super-steps)
         items = ctas * s
@@ -502,6 +503,40 @@ def wmatmul_splits(m, n, k, sms=None, tile_m=0):
         if eff > best_eff + 1e-9:
             best, best_eff = s, eff
     return best
+
+
+def _wave_fill(m, n, tile_m, splits, sms=None):
+    """Fraction of the resident CTA slots the wgmma kernel's grid (ceil(N / 128) weight tiles
+    x ceil(M / tile_m) activation tiles x splits) keeps busy over its waves."""
+    rows, _, per_sm, _ = _FUSED_GEOMETRY[tile_m]
+    slots = per_sm * (sms or _sm_count())
+    items = -(-n // rows) * -(-m // tile_m) * splits
+    return items / (-(-items // slots) * slots)
+
+
+_GRID_MIN_FILL = 0.5  # wmatmul_grid: the wave fill under which other grids are considered
+
+
+def wmatmul_grid(m, n, k, fmt, folded=False, wgmma=None, sms=None):
+    """(tile_m, K-splits) of the fused kernel for M rows of x and a (K, N) weight of format
+    `fmt`: wmatmul_tile_m's tile and wmatmul_splits' splits, unless that wgmma grid keeps
+    less than _GRID_MIN_FILL (half) of the GPU's CTA slots busy (weights of few 128-row
+    tiles at M = 100-512).
+    Then the splits may leave float32 partial sums of up to twice the codes' bytes, and a
+    256-row tile may become 128-row tiles: the grid that fills most of a wave (_wave_fill)
+    wins, then the one with fewer splits, then the larger tile. (H100, nvfp4, us: 4096 x 4096
+    at M = 256, 32 CTAs of 256 rows, 48.4 -> 128 CTAs of 128 rows with 2 splits, 22.5, bf16
+    dot 24.0; 14336 x 4096 at M = 256 139.6 -> 53.4; RESULTS.md round 8.)"""
+    tile = wmatmul_tile_m(m, fmt, wgmma=wgmma, folded=folded)
+    splits = wmatmul_splits(m, n, k, sms=sms, tile_m=tile)
+    if tile == 0 or _wave_fill(m, n, tile, splits, sms) >= _GRID_MIN_FILL:
+        return tile, splits
+    best = None
+    for t in ((256, 128) if tile == 256 else (tile,)):
+        s = wmatmul_splits(m, n, k, sms=sms, tile_m=t, partials=2.0)
+        key = (round(_wave_fill(m, n, t, s, sms), 2), -s, t)
+        best = max(best or key, key)
+    return best[2], -best[1]
 
 
 def fused_wmatmul_applies(avals_in, params):
@@ -638,14 +673,13 @@ def _wmatmul_fused(x, codes, scales, zeros, ts, *, fmt, block_size, two_level, o
     splits leave float32 partial sums that XLA adds and casts. A ragged last 256-row tile
     becomes a second launch (wmatmul_head_rows)."""
     m, k = x.shape
-    tile_m = wmatmul_tile_m(m, fmt, folded=wmatmul_folded(fmt, x.dtype, two_level))
+    tile_m, splits = wmatmul_grid(m, codes.shape[0], k, fmt, wmatmul_folded(fmt, x.dtype, two_level))
     head = wmatmul_head_rows(m, codes.shape[0], k, tile_m)
     if head:
         part = functools.partial(_wmatmul_fused, codes=codes, scales=scales, zeros=zeros, ts=ts,
                                  fmt=fmt, block_size=block_size, two_level=two_level,
                                  out_dtype=out_dtype, precision=precision, impl=impl)
         return jnp.concatenate([part(x[:head]), part(x[head:])], axis=0)
-    splits = wmatmul_splits(m, codes.shape[0], k, tile_m=tile_m)
     final = splits == 1 and np.dtype(out_dtype) in (np.dtype(x.dtype), np.dtype(np.float32))
     if tile_m:
         x = wmatmul_x_layout(x, wmatmul_bit_path(fmt, x.dtype, two_level, scales.dtype), tile_m)

@@ -36,6 +36,20 @@ SHAPES = [(1, 384, 200), (13, 1056, 136), (4, 4096, 520), (17, 416, 264), (33, 6
           (100, 384, 200), (300, 1056, 264)]
 
 
+_GRID_MIN_FILL = primitives._GRID_MIN_FILL
+
+
+@pytest.fixture(autouse=True)
+def _plain_grid():
+    """The small weights here keep under half of the GPU busy, where wmatmul_grid would
+    trade 256-row tiles for 128-row ones and add K-splits: keep the plain tile and split
+    rule so that every tile width stays tested (test_fused_wgmma_grid_small_weights tests
+    wmatmul_grid's choices)."""
+    primitives._GRID_MIN_FILL = 0.0
+    yield
+    primitives._GRID_MIN_FILL = _GRID_MIN_FILL
+
+
 def _gpu():
     return jax.devices("gpu")[0]
 
@@ -92,7 +106,7 @@ def _check_fused(fmt, bs, kw, dtype, m, k, n, family, rng, splits=None, cluster=
                                               preferred_element_type=jnp.float32))
     text = f32.lower(xg, qg).as_text()
     assert "jax_fp4_wmatmul_v2" in text, f"{fmt} M={m} K={k}: fused kernel not used"
-    want_tile = primitives.wmatmul_tile_m(m, fmt, folded=_folded(fmt, kw, dtype))
+    want_tile = primitives.wmatmul_grid(m, n, k, fmt, _folded(fmt, kw, dtype))[0]
     assert f"tile_m = {want_tile} " in text, (m, want_tile)
     assert (want_tile > 0) == (family == "wgmma" and m >= _wgmma_min_m(fmt, kw, dtype)), m
     if splits is not None:
@@ -299,6 +313,23 @@ def test_fused_wgmma_ragged_last_tile(fmt, bs, kw, dtype, rng, monkeypatch):
     text = jax.jit(lambda x, q: jf.matmul(x, q)).lower(x, q).as_text()
     assert text.count("jax_fp4_wmatmul_v2") == 2 and "tile_m = 256 " in text and "tile_m = 64 " in text
     _check_fused(fmt, bs, kw, dtype, m, k, n, "wgmma", rng)
+
+
+# wmatmul_grid on weights of 32 128-row tiles: at M = 256 and K = 4096 the plain rule runs
+# 32 CTAs of 256 rows (a quarter of an H100's SMs), the grid 128-row tiles in 2 K-splits;
+# at M = 160, K = 2048 128-row tiles without splits.
+@pytest.mark.parametrize("fmt,bs,kw,dtype", [W_CASES[0], W_CASES[3], W_CASES[6]], ids=str)
+def test_fused_wgmma_grid_small_weights(fmt, bs, kw, dtype, rng, monkeypatch):
+    assert jf.capabilities()["kernels"]["cuda"], jf.capabilities()["load_error"]
+    if not primitives.wgmma_available():
+        pytest.skip("the wgmma kernel needs a compute capability 9.0 GPU and an sm_90a build")
+    monkeypatch.setattr(primitives, "_GRID_MIN_FILL", _GRID_MIN_FILL)
+    folded = _folded(fmt, kw, dtype)
+    for m, k, n in ((256, 4096, 4096), (160, 2048, 4096)):
+        tile, splits = primitives.wmatmul_grid(m, n, k, fmt, folded)
+        plain = primitives.wmatmul_tile_m(m, fmt, folded=folded)
+        assert (tile, splits) != (plain, primitives.wmatmul_splits(m, n, k, tile_m=plain)), (m, k, n)
+        _check_fused(fmt, bs, kw, dtype, m, k, n, "wgmma", rng, splits)
 
 
 def test_wmatmul_grad_and_large_m_path(rng):

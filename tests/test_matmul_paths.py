@@ -114,6 +114,35 @@ def test_wmatmul_head_rows_rule():
     assert head(300, 28672, 8192, 128, sms=132) == 0  # only the 256-row tile
 
 
+def test_wmatmul_grid_rule():
+    """Where the plain wgmma grid keeps under half of the CTA slots busy (132 SMs; 1 CTA per
+    SM at tile_m 128 / 256), the grid that fills most of a wave with partial sums of up to
+    twice the codes' bytes: then fewer splits, then the larger tile. Elsewhere the plain
+    tile and splits."""
+    grid = primitives.wmatmul_grid
+    cases = {  # (M, K, N): (plain tile, splits) -> grid (H100 us in RESULTS.md round 8)
+        (256, 4096, 4096): (128, 2),  # 32 CTAs -> 128
+        (512, 4096, 4096): (128, 1),  # 64 -> 128, no splits (t256 s2 fills as much)
+        (128, 4096, 4096): (128, 2),  # 32 -> 64: the best there is
+        (300, 4096, 4096): (256, 2),  # 64 -> 128 (t128: 96 or 192 of 132 / 264)
+        (256, 14336, 4096): (128, 2),
+        (160, 14336, 4096): (128, 2),  # was t256 s2: 64 CTAs
+        (256, 8192, 8192): (128, 1),
+        (256, 8192, 28672): (256, 1),  # 224 of 264 slots: plain
+        (256, 28672, 8192): (256, 2),
+        (1024, 8192, 28672): (256, 1),
+        (16, 4096, 4096): (16, 2),  # 64 of 264, but no split of >= 16 steps more
+        (4, 4096, 4096): (0, primitives.wmatmul_splits(4, 4096, 4096, sms=132)),  # mma.sync
+    }
+    for (m, k, n), want in cases.items():
+        assert grid(m, n, k, "nvfp4", folded=m > 8, wgmma=True, sms=132) == want, (m, k, n)
+    # the plain rule where the grid fills >= half
+    for m, k, n in ((256, 8192, 28672), (64, 8192, 28672), (512, 8192, 8192)):
+        t = primitives.wmatmul_tile_m(m, "int4", wgmma=True)
+        assert grid(m, n, k, "int4", wgmma=True, sms=132) == (
+            t, primitives.wmatmul_splits(m, n, k, sms=132, tile_m=t)), (m, k, n)
+
+
 @pytest.mark.parametrize("wgmma", [False, True])
 def test_fused_wmatmul_size_rule(wgmma, monkeypatch):
     """Fused up to FUSED_MAX_M, or wgmma_max_m where the wgmma kernel runs: further for
