@@ -163,7 +163,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--shapes", nargs="+", default=LLAMA_SHAPES, help="KxN weight shapes")
     ap.add_argument("--ms", nargs="+", type=int, default=[1, 4, 16, 64, 256, 1024, 4096])
-    ap.add_argument("--formats", nargs="+", default=["nvfp4", "mxfp4", "nf4", "int4"])
+    ap.add_argument("--formats", nargs="+", default=["nvfp4", "mxfp4", "nf4", "bnb_fp4", "int4"])
     ap.add_argument("--reference-formats", nargs="*", default=["nvfp4"])
     ap.add_argument("--reference-ms", nargs="*", type=int, default=[1, 16])
     ap.add_argument("--rule-ms", nargs="*", type=int, default=[256, 512, 1024])
