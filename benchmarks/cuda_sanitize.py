@@ -7,8 +7,8 @@ small ragged shapes. Run on a GPU machine:
 (bf16: quantize kernels for bfloat16 inputs only, a shorter run.)
 
 (the platform allocator gives every buffer its own cudaMalloc, so out-of-bounds accesses
-are not hidden inside XLA's memory pool; set it for racecheck too: without it
-compute-sanitizer 2025.3.1 segfaulted at start under jax 0.11.2, benchmarks/RESULTS.md
+are not hidden inside XLA's memory pool; set it for racecheck too: without it racecheck
+of compute-sanitizer 2025.3.1 segfaulted at start under jax 0.11.2, benchmarks/RESULTS.md
 round 8 E).
 """
 import sys
