@@ -476,6 +476,11 @@ def _sm_count():
     return int(n) if n else 132
 
 
+def _fill(items, slots):
+    """Fraction of `slots` resident CTA slots that `items` CTAs keep busy over their waves."""
+    return items / (-(-items // slots) * slots)
+
+
 def wmatmul_splits(m, n, k, sms=None, tile_m=0, partials=0.25):
     """K-splits S of the fused kernel (grid = ceil(N / rows) x M-chunks x S CTAs).
 
@@ -496,8 +501,7 @@ def wmatmul_splits(m, n, k, sms=None, tile_m=0, partials=0.25):
     for s in range(1, max(1, min(n_steps // min_steps, int(partials * k / (8 * m)))) + 1):
         if -(-n_steps // -(-n_steps // s)) != s:
             continue  # some splits would be empty (the kernel splits K in whole super-steps)
-        items = ctas * s
-        eff = items / (-(-items // slots) * slots)
+        eff = _fill(ctas * s, slots)
         if eff >= 0.9:
             return s
         if eff > best_eff + 1e-9:
@@ -509,9 +513,7 @@ def _wave_fill(m, n, tile_m, splits, sms=None):
     """Fraction of the resident CTA slots the wgmma kernel's grid (ceil(N / 128) weight tiles
     x ceil(M / tile_m) activation tiles x splits) keeps busy over its waves."""
     rows, _, per_sm, _ = _FUSED_GEOMETRY[tile_m]
-    slots = per_sm * (sms or _sm_count())
-    items = -(-n // rows) * -(-m // tile_m) * splits
-    return items / (-(-items // slots) * slots)
+    return _fill(-(-n // rows) * -(-m // tile_m) * splits, per_sm * (sms or _sm_count()))
 
 
 _GRID_MIN_FILL = 0.5  # wmatmul_grid: the wave fill under which other grids are considered
@@ -521,8 +523,8 @@ def wmatmul_grid(m, n, k, fmt, folded=False, wgmma=None, sms=None):
     """(tile_m, K-splits) of the fused kernel for M rows of x and a (K, N) weight of format
     `fmt`: wmatmul_tile_m's tile and wmatmul_splits' splits, unless that wgmma grid keeps
     less than _GRID_MIN_FILL (half) of the GPU's CTA slots busy (weights of few 128-row
-    tiles at M = 100-512).
-    Then the splits may leave float32 partial sums of up to twice the codes' bytes, and a
+    tiles: on the Llama shapes 4096 x 4096 at M = 65-512, 14336 x 4096 at 150-512 and
+    8192 x 8192 at 129-256). Then the splits may leave float32 partial sums of up to twice the codes' bytes, and a
     256-row tile may become 128-row tiles: the grid that fills most of a wave (_wave_fill)
     wins, then the one with fewer splits, then the larger tile. (H100, nvfp4, us: 4096 x 4096
     at M = 256, 32 CTAs of 256 rows, 48.4 -> 128 CTAs of 128 rows with 2 splits, 22.5, bf16

@@ -120,7 +120,7 @@ def test_wmatmul_grid_rule():
     twice the codes' bytes: then fewer splits, then the larger tile. Elsewhere the plain
     tile and splits."""
     grid = primitives.wmatmul_grid
-    cases = {  # (M, K, N): (plain tile, splits) -> grid (H100 us in RESULTS.md round 8)
+    cases = {  # (M, K, N): the grid's (tile_m, splits); H100 times in RESULTS.md round 8 C
         (256, 4096, 4096): (128, 2),  # 32 CTAs -> 128
         (512, 4096, 4096): (128, 1),  # 64 -> 128, no splits (t256 s2 fills as much)
         (128, 4096, 4096): (128, 2),  # 32 -> 64: the best there is
