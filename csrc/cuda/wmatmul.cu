@@ -53,7 +53,8 @@ constexpr int kXStride = 320;  // bytes per staged activation row: 256 + 64 (no 
 constexpr int kCopies = 16;    // pair-table copies (direct kernel, wgmma where they fit,
                                // wg_copies): lane l reads copy l % 16, which lies in bank
                                // pair l % 16: conflict-free
-constexpr int kStagedCopies = 4;  // staged kernel (decode amortised over MT activation tiles)
+constexpr int kLaneTable = 0;  // `COPIES` of the lane table (see decode_word), where 16
+                               // pair-table copies (32 KB) do not fit
 
 struct WParams {
   int64_t M, N, K;
@@ -279,9 +280,18 @@ __device__ __forceinline__ uint32_t hsub2(uint32_t a, uint32_t b) {
 // exact multiply by 2^126 / 2^14 gives v, then one by s (two multiplies: s * 2^126 would
 // overflow bf16). INT4: (128 + q) in bf16 / (1024 + q) in f16 by OR-ing q into the
 // mantissa of 128 / 1024 (Marlin's magic-number trick), minus (128 + z) exactly, times s.
-// Table path (everything else): a per-CTA table byte -> (value of low nibble, value of
-// high nibble) in float32, kCopies copies laid out so that lane l's copy sits in bank
-// pair l % 16 (conflict-free), then the reference's float32 arithmetic and one rounding.
+// Table path (everything else): the float32 value of each code from a per-CTA table in
+// shared memory, then the reference's float32 arithmetic and one rounding. Two layouts,
+// both free of bank conflicts:
+// - pair table (COPIES = kCopies = 16, 32 KB): byte -> (value of low nibble, value of high
+//   nibble), one LDS.64 per two elements; lane l reads copy l % 16 in bank pair l % 16;
+// - lane table (COPIES = kLaneTable, 2 KB aligned to 2 KB): code c of lane l at float
+//   32 c + l, so lane l reads only bank l whatever its codes: one shift, one LOP3 and one
+//   LDS.32 per element, twice the loads of the pair table and the same bytes.
+// The pair table takes fewer instructions, the lane table less shared memory: the direct
+// kernel and the wgmma kernel at BN <= 64 use the pair table, the rest the lane table
+// (wg_copies). At BN = 256 the 4 pair-table copies that fitted beside the stages made an
+// LDS.64 take 8.2 wavefronts instead of 2 (ncu, nf4; benchmarks/NOTES.md round 9).
 
 // (a & mask) | (b & ~mask) as one LOP3 (written out: the compiler would otherwise mask
 // the sign words itself and spend a second LOP3 per pair).
@@ -406,6 +416,9 @@ __device__ __forceinline__ void make_decs(const Chunk& c, float ts, const WParam
   }
 }
 
+// w << s, or w >> -s for s < 0 (|s| < 32; s a constant once the caller's loop is unrolled)
+__device__ __forceinline__ uint32_t shift_left(uint32_t w, int s) { return s >= 0 ? w << s : w >> -s; }
+
 template <int FMT, bool BF16, bool BITS, int COPIES>
 __device__ __forceinline__ void decode_word(uint32_t w, const Dec& d, const float2* table,
                                             uint32_t copy, uint32_t out[4]) {
@@ -426,8 +439,18 @@ __device__ __forceinline__ void decode_word(uint32_t w, const Dec& d, const floa
   } else {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const float2 v = table[(((w >> (8 * i)) & 0xffu) * COPIES) | copy];
-      float lo = v.x, hi = v.y;
+      float lo, hi;
+      if constexpr (COPIES == kLaneTable) {
+        // copy = lane_table_base: the nibble to address bits 7-10 by one shift, then one
+        // LOP3 masks it and ORs in the 2 KB-aligned table's address + 4 l (volatile: the
+        // load stays after the barrier that follows fill_table)
+        asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(lo) : "r"(select_bits<0x780u>(shift_left(w, 7 - 8 * i), copy)));
+        asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(hi) : "r"(select_bits<0x780u>(shift_left(w, 3 - 8 * i), copy)));
+      } else {
+        const float2 v = table[(((w >> (8 * i)) & 0xffu) * COPIES) | copy];
+        lo = v.x;
+        hi = v.y;
+      }
       if constexpr (FMT == kINT4) {
         lo = __fsub_rn(lo, d.z);
         hi = __fsub_rn(hi, d.z);
@@ -448,11 +471,34 @@ __device__ __forceinline__ uint4 x_pairs(uint4 X) {
     return X;
 }
 
+// Bytes of the table path's table with COPIES copies (kLaneTable: the lane table).
+template <int COPIES>
+__host__ __device__ constexpr int table_bytes() { return COPIES == kLaneTable ? 16 * 32 * 4 : 256 * COPIES * 8; }
+constexpr int kLaneTableAlign = 2048;  // the lane table's alignment (its address + 4 l by OR)
+
+// p rounded up to a multiple of `align` bytes in the shared window
+template <class T>
+__device__ __forceinline__ T* align_shared(T* p, uint32_t align) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  return reinterpret_cast<T*>(reinterpret_cast<uint8_t*>(p) + (((a + align - 1) & ~(align - 1)) - a));
+}
+
+// `copy` of the lane table for lane `lane`: the 2 KB-aligned table's shared-window address
+// + 4 lane (decode_word ORs the code's 128 c into bits 7-10)
+__device__ __forceinline__ uint32_t lane_table_base(const float2* table, int lane) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(table)) | (static_cast<uint32_t>(lane) << 2);
+}
+
 template <int FMT, int COPIES>
 __device__ void fill_table(float2* table, int tid, int nthreads) {
-  for (int i = tid; i < 256 * COPIES; i += nthreads) {
-    const uint32_t byte = static_cast<uint32_t>(i) / COPIES;
-    table[i] = make_float2(code_value<FMT>(byte & 15u), code_value<FMT>(byte >> 4));
+  if constexpr (COPIES == kLaneTable) {
+    for (int i = tid; i < 16 * 32; i += nthreads)
+      reinterpret_cast<float*>(table)[i] = code_value<FMT>(static_cast<uint32_t>(i) / 32);
+  } else {
+    for (int i = tid; i < 256 * COPIES; i += nthreads) {
+      const uint32_t byte = static_cast<uint32_t>(i) / COPIES;
+      table[i] = make_float2(code_value<FMT>(byte & 15u), code_value<FMT>(byte >> 4));
+    }
   }
 }
 
@@ -571,13 +617,16 @@ __global__ void __launch_bounds__(kWarps * 32) wmatmul_kernel(
     const void* __restrict__ scales, const uint8_t* __restrict__ zeros,
     const float* __restrict__ ts, void* __restrict__ out, const WParams p) {
   constexpr int MC = 8 * MT;
-  __shared__ __align__(16) float2 table[BITS ? 1 : 256 * kStagedCopies];
+  // the lane table at its 2 KB alignment inside twice its size (alignment computed, not
+  // left to __align__ on the static array)
+  __shared__ __align__(16) float2 table_raw[BITS ? 1 : 2 * table_bytes<kLaneTable>() / 8];
+  float2* table = align_shared(table_raw, kLaneTableAlign);
   __shared__ __align__(16) uint8_t xs[MC * kXStride];
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const uint32_t copy = lane & (kStagedCopies - 1);
-  if constexpr (!BITS) fill_table<FMT, kStagedCopies>(table, tid, kWarps * 32);
+  const uint32_t copy = lane_table_base(table, lane);
+  if constexpr (!BITS) fill_table<FMT, kLaneTable>(table, tid, kWarps * 32);
 
   const int64_t m0 = static_cast<int64_t>(blockIdx.y) * MC;
   const int64_t n_warp = static_cast<int64_t>(blockIdx.x) * kRowsPerCta + warp * kRowTiles * 16;
@@ -652,7 +701,7 @@ __global__ void __launch_bounds__(kWarps * 32) wmatmul_kernel(
       for (int rt = 0; rt < kRowTiles; ++rt) {
         const uint32_t w[2] = {word_of(cur[rt][0].q, s2), word_of(cur[rt][1].q, s2)};
         const Dec dd[2] = {d[rt][0][s2 >> 1], d[rt][1][s2 >> 1]};
-        tile_step<FMT, BF16, BITS, MT, kStagedCopies>(acc[rt], w, dd, xb, table, copy);
+        tile_step<FMT, BF16, BITS, MT, kLaneTable>(acc[rt], w, dd, xb, table, copy);
       }
     }
   }
@@ -849,16 +898,18 @@ constexpr int kWgProducerRegs = 40, kWgConsumerRegs = 232;  // 128 x 40 + 256 x 
 // decides per call (attribute `cluster`, primitives.wmatmul_cluster).
 template <int BN>
 __host__ __device__ constexpr bool wg_can_multicast() { return wg_producer<BN>(); }
-// Copies of the table path's pair table (fill_table): 16 where the 32 KB fit beside the
-// stages and their scale boxes without costing a CTA per SM (BN <= 128, at BN = 64 with
-// one stage fewer; lane l reads copy l % 16, which lies in bank pair l % 16:
-// conflict-free, as the direct kernel), else 4 (BN = 256, and INT4's table path, whose
-// 4 KB boxes would not fit at BN = 32). nf4 on 8192 x 28672 (harness): M = 16 126 -> 82
-// us, M = 32 131 -> 87, M = 128 196 -> 145 (benchmarks/NOTES.md round 6); M = 64 (3
-// stages) 141 -> 94 (round 7).
+// The table path's table (fill_table, decode_word): 16 pair-table copies (conflict-free,
+// as the direct kernel) at BN <= 64, where they fit beside the stages and scale boxes
+// without costing a CTA per SM (at BN = 64 with one stage fewer) and the decode's
+// instructions bound the kernel: nf4 on 8192 x 28672 (harness) M = 16 126 -> 82 us, M = 32
+// 131 -> 87 against 4 copies (benchmarks/NOTES.md round 6), M = 64 141 -> 94 (round 7),
+// and 3-5% faster than the lane table (round 9). The lane table (2 KB) at BN >= 128,
+// where shared-memory bandwidth bounds it (M = 1024, BN = 256: 749 -> 688 us against 4
+// copies; M = 128: 138 -> 135 against 16), and for INT4's table path, whose scale and
+// zero-point boxes leave no room for 32 KB.
 template <int FMT, int BN>
 __host__ __device__ constexpr int wg_copies() {
-  return BN <= 128 && FMT != kINT4 ? kCopies : kStagedCopies;
+  return BN <= 64 && FMT != kINT4 ? kCopies : kLaneTable;
 }
 template <int BN>  // code words (of each of a lane's two rows) decoded per wgmma group:
 __host__ __device__ constexpr int wg_words() { return BN >= 256 ? 1 : 2; }
@@ -881,7 +932,8 @@ __host__ __device__ constexpr int wg_smem_for(int stage_bytes) {
   const int pipe = wg_stages<FMT, BITS, BN>() * stage_bytes;
   const int epi = BN * kOutStride * 4;
   return 1024 /* alignment slack */ + (pipe > epi ? pipe : epi) +
-         (BITS ? 0 : 256 * wg_copies<FMT, BN>() * 8);
+         (BITS ? 0 : table_bytes<wg_copies<FMT, BN>()>() +
+                     (wg_copies<FMT, BN>() == kLaneTable ? kLaneTableAlign - 1024 : 0));
 }
 // Whether the stages carry the scale boxes (see Pipeline below): BN <= 128 (BN = 256 is
 // bound by the tensor cores, and its three stages fill the SM), not for nvfp4 (its one
@@ -980,11 +1032,13 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
   const uint32_t full_addr = static_cast<uint32_t>(__cvta_generic_to_shared(full));
   const uint32_t empty_addr = static_cast<uint32_t>(__cvta_generic_to_shared(empty));
   const uint32_t pair_addr = static_cast<uint32_t>(__cvta_generic_to_shared(pair));
-  float2* table = reinterpret_cast<float2*>(smem + (kPipe > kEpi ? kPipe : kEpi));
+  constexpr bool kLane = wg_copies<FMT, BN>() == kLaneTable;
+  float2* table = align_shared(reinterpret_cast<float2*>(smem + (kPipe > kEpi ? kPipe : kEpi)),
+                               kLane ? kLaneTableAlign : 16);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const uint32_t copy = lane & (wg_copies<FMT, BN>() - 1);
+  const uint32_t copy = kLane ? lane_table_base(table, lane) : lane & (kCopies - 1);
   if constexpr (!BITS) if (tid < kWgThreads) fill_table<FMT, wg_copies<FMT, BN>()>(table, tid, kWgThreads);
   if (tid == 0) {
 #pragma unroll
