@@ -53,8 +53,8 @@ constexpr int kXStride = 320;  // bytes per staged activation row: 256 + 64 (no 
 constexpr int kCopies = 16;    // pair-table copies (direct kernel, wgmma where they fit,
                                // wg_copies): lane l reads copy l % 16, which lies in bank
                                // pair l % 16: conflict-free
-constexpr int kLaneTable = 0;  // `COPIES` of the lane table (see decode_word), where 16
-                               // pair-table copies (32 KB) do not fit
+constexpr int kLaneTable = 0;  // `COPIES` of the lane table (see decode_word): where
+                               // shared memory, not instructions, bounds the decode
 
 struct WParams {
   int64_t M, N, K;
