@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import jax_fp4 as jf
+from edge import make_input
 from jax_fp4 import primitives
 
 pytestmark = pytest.mark.gpu
@@ -26,8 +27,9 @@ W_CASES = [
     ("int4", 32, {"scale_dtype": jnp.float32}, BF16),
     ("nvfp4", 16, {}, F16), ("nvfp4", 16, {"tensor_scale": "auto"}, F16), ("mxfp4", 32, {}, F16),
     ("int4", 64, {}, F16), ("int4", 16, {"scale_dtype": F16}, F16)]
-# (M, K, N): M = 1 (direct kernel); 4 (direct kernel, or the wgmma kernel with tile_m =
-# 16 for one-level nvfp4 with bf16 x); 13, 17, 33, 100, 300 (wgmma kernel with tile_m =
+# (M, K, N): M = 1 and 4 (the direct kernel, or the wgmma kernel with tile_m = 16 for
+# mxfp4, int4 and one-level nvfp4 with bf16 x, and from M = 2 for nf4 and bnb_fp4; the
+# mma family runs the direct kernel at every M <= 16); 13, 17, 33, 100, 300 (wgmma kernel with tile_m =
 # 16, 32, 64, 128, 256, M ragged, two M tiles at 300; without wgmma: the direct kernel
 # at 13, the staged kernel above); K not a multiple of the 128/256-k steps; N not a
 # multiple of 128 (at 300: three 128-row weight tiles, so the last 2-CTA cluster of the
@@ -89,13 +91,15 @@ def _wgmma_min_m(fmt, kw, dtype):
     return primitives.wgmma_min_m(fmt, _folded(fmt, kw, dtype))
 
 
-def _check_fused(fmt, bs, kw, dtype, m, k, n, family, rng, splits=None, cluster=None):
+def _check_fused(fmt, bs, kw, dtype, m, k, n, family, rng, splits=None, cluster=None, w=None):
     """One fused matmul (float32 and x-dtype output) against the reference decode;
     `splits`, `cluster`: the K-splits and cluster CTAs the lowering must have chosen (None:
-    any)."""
+    any); `w`: the (K, N) weight (default: normal, each column at a random power of ten)."""
     k = _k_for(k, bs)
     x = jnp.asarray(rng.standard_normal((m, k)), dtype)
-    w = (rng.standard_normal((k, n)) * 10.0 ** rng.integers(-3, 3, size=(1, n))).astype(np.float32)
+    if w is None:
+        w = (rng.standard_normal((k, n)) * 10.0 ** rng.integers(-3, 3, size=(1, n))).astype(np.float32)
+    assert w.shape == (k, n), (w.shape, k, n)
     q = jf.quantize(jax.device_put(jnp.asarray(w), _cpu()), fmt, axis=0, block_size=bs, **kw)
     jf.set_backend("reference")
     try:  # the weight as the reference decodes it for W4A16: float32, rounded to x.dtype
@@ -141,6 +145,35 @@ def test_fused_wmatmul_matches_reference(fmt, bs, kw, dtype, family, rng, monkey
         if family == "mma" and m < _wgmma_min_m(fmt, kw, dtype):
             continue  # the same direct kernel as the wgmma family
         _check_fused(fmt, bs, kw, dtype, m, k, n, family, rng)
+
+
+# mxfp4's bit path multiplies once per pair where every lane of a warp has block scales
+# <= 2 (E8M0 <= 128), twice otherwise (csrc/cuda/wmatmul.cu, make_decs). The default
+# weights above put most warps (16 output columns at 10^-3..10^2) on the second path, so
+# here: weights whose blocks are all small (one multiply everywhere; a zero block, and a
+# subnormal one whose scale is E8M0 = 0, 2^-127), the same with one large block in every
+# 16th column (one step of each warp on two multiplies), and edge.make_input's columns
+# (powers of ten from 10^-6 to 10^5, ties, zero and subnormal blocks; its huge values
+# clipped to 10^6, where sums of K products would overflow float32), through every kernel
+# family and tile width.
+@pytest.mark.parametrize("family", ["wgmma", "mma"])
+def test_fused_mxfp4_scale_ranges(family, rng, monkeypatch):
+    assert jf.capabilities()["kernels"]["cuda"], jf.capabilities()["load_error"]
+    if family == "wgmma" and not primitives.wgmma_available():
+        pytest.skip("the wgmma kernel needs a compute capability 9.0 GPU and an sm_90a build")
+    if family == "mma":
+        monkeypatch.setattr(primitives, "wgmma_available", lambda: False)
+    monkeypatch.setattr(primitives, "FUSED_MAX_M", 1 << 30)
+    for m, k, n in SHAPES:
+        k = _k_for(k, 32)
+        small = (rng.standard_normal((k, n)) * 0.05).astype(np.float32)
+        small[:32, 5] = rng.standard_normal(32) * 1e-39
+        small[64:96, 6] = 0.0
+        large = small.copy()
+        large[32:64, ::16] *= np.float32(1e4)
+        edge = np.clip(make_input(rng, n, k, "mxfp4", nonfinite=False).T, -1e6, 1e6)
+        for w in (small, large, edge):
+            _check_fused("mxfp4", 32, {}, BF16, m, k, n, family, rng, w=w)
 
 
 # The size rule gives the wgmma kernel K-splits only for >= 16 steps per split, which the

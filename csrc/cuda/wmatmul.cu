@@ -277,9 +277,11 @@ __device__ __forceinline__ uint32_t hsub2(uint32_t a, uint32_t b) {
 // E2M1: magnitude bits (e1 e0 m) go to the dtype's lowest exponent bits and top mantissa
 // bit (bf16 bits 8:6, f16 bits 11:9) and the sign to bit 15: those bits are the value
 // v * 2^-126 (bf16) or v * 2^-14 (f16) including the subnormal codes 0 and 0.5, so one
-// exact multiply by 2^126 / 2^14 gives v, then one by s (two multiplies: s * 2^126 would
-// overflow bf16). INT4: (128 + q) in bf16 / (1024 + q) in f16 by OR-ing q into the
-// mantissa of 128 / 1024 (Marlin's magic-number trick), minus (128 + z) exactly, times s.
+// exact multiply by 2^126 / 2^14 gives v, then one by s (two multiplies: s * 2^126 may
+// overflow bf16; one where it cannot: nvfp4 with bf16 x, kFold below, and in the wgmma
+// kernel mxfp4 blocks whose E8M0 scale is <= 2, make_decs). INT4: (128 + q) in bf16 /
+// (1024 + q) in f16 by OR-ing q into the mantissa of 128 / 1024 (Marlin's magic-number
+// trick), minus (128 + z) exactly, times s.
 // Table path (everything else): the float32 value of each code from a per-CTA table in
 // shared memory, then the reference's float32 arithmetic and one rounding. Two layouts,
 // both free of bank conflicts:
@@ -369,20 +371,11 @@ struct Dec {
 template <int FMT, bool BF16, bool BITS>
 __device__ __forceinline__ Dec make_dec(uint32_t sbits, uint32_t zbits, float ts,
                                         const WParams& p) {
+  static_assert(!BITS || FMT == kINT4, "make_decs decodes the other bit-path scales itself");
   Dec d;
-  if constexpr (BITS && FMT == kMXFP4) {  // bf16 bits of 2^(c - 127): exact, c = 0 subnormal
-    const uint32_t c = sbits & 0xffu;
-    const uint32_t h = c == 255u ? 0x7fc0u : (c == 0u ? 0x40u : c << 7);
-    d.s2 = h * 0x10001u;
-    d.z2 = 0;
-  } else if constexpr (BITS && FMT == kINT4) {  // scales stored in x's dtype: their bits
+  if constexpr (BITS) {  // INT4, scales stored in x's dtype: their bits
     d.s2 = (sbits & 0xffffu) * 0x10001u;
     d.z2 = ((kInt4Magic<BF16> & 0xffffu) + zbits) * 0x10001u;  // 128 + z / 1024 + z: exact
-  } else if constexpr (BITS) {  // one-level nvfp4
-    float s = e4m3_decode(sbits);
-    if constexpr (kFold<FMT, BF16, BITS>) s *= 0x1p117f;
-    d.s2 = pack2<BF16>(s, s);  // exact: s * 2^117 <= 448 * 2^117 and has 4 significant bits
-    d.z2 = 0;
   } else {
     d.s = scale_value<FMT>(sbits, ts, p);
     d.z = static_cast<float>(zbits);
@@ -390,9 +383,22 @@ __device__ __forceinline__ Dec make_dec(uint32_t sbits, uint32_t zbits, float ts
   return d;
 }
 
-// Both halves of a chunk.
+// Whether MXFP4's bit path decodes a step's words with one multiply per pair (make_decs):
+// every lane's block scales of both its rows are <= 2, by a warp vote, so that the choice
+// is one warp-uniform branch per group of words. The wgmma kernel only: the mma.sync
+// kernels, bound by their loads, were 0-3% slower with it.
+template <int FMT, bool BITS>
+__device__ __forceinline__ bool mx_one_multiply(const Chunk (&c)[2]) {
+  if constexpr (FMT == kMXFP4 && BITS)
+    return __all_sync(0xffffffffu, (c[0].s & 0xffu) <= 128u && (c[1].s & 0xffu) <= 128u);
+  else
+    return false;
+}
+
+// Both halves of a chunk; `one`: mx_one_multiply's answer (MXFP4's bit path).
 template <int FMT, bool BF16, bool BITS>
-__device__ __forceinline__ void make_decs(const Chunk& c, float ts, const WParams& p, Dec d[2]) {
+__device__ __forceinline__ void make_decs(const Chunk& c, float ts, const WParams& p, Dec d[2],
+                                          bool one = false) {
   if constexpr (FMT == kNVFP4 && BITS) {
     float s0, s1;
     e4m3x2_decode(c.s, &s0, &s1);
@@ -400,8 +406,20 @@ __device__ __forceinline__ void make_decs(const Chunk& c, float ts, const WParam
       s0 *= 0x1p117f;
       s1 *= 0x1p117f;
     }
-    d[0].s2 = pack2<BF16>(s0, s0);
+    d[0].s2 = pack2<BF16>(s0, s0);  // exact: s * 2^117 <= 448 * 2^117, 4 significant bits
     d[1].s2 = pack2<BF16>(s1, s1);
+  } else if constexpr (FMT == kMXFP4 && BITS) {
+    // E8M0 code e: 2^(e - 127) (e = 0: 2^-127, a bf16 subnormal; 255: NaN). The placed
+    // bits are v * 2^-126, so where the scales are <= 2 (e <= 128: any block whose absmax
+    // is below 8, as in trained weights; `one`), one multiply by 2^(e - 1) (normal in
+    // bf16 for e <= 128) gives v * 2^(e - 127) exactly (>= 2^-128 with two significant
+    // bits: a bf16 subnormal at worst). Otherwise 2^126, then 2^(e - 127): 2^(e - 1)
+    // would overflow.
+    const uint32_t e = c.s & 0xffu;
+    const uint32_t h = one ? (e + 126u) << 7 : e == 255u ? 0x7fc0u : (e == 0u ? 0x40u : e << 7);
+    d[0].s2 = h * 0x10001u;
+    d[0].z2 = 0;
+    d[1] = d[0];
   } else if constexpr (FMT == kNVFP4) {
     d[0] = make_dec<FMT, BF16, BITS>(c.s & 0xffu, 0, ts, p);
     d[1] = make_dec<FMT, BF16, BITS>(c.s >> 8, 0, ts, p);
@@ -419,7 +437,10 @@ __device__ __forceinline__ void make_decs(const Chunk& c, float ts, const WParam
 // w << s, or w >> -s for s < 0 (|s| < 32; s a constant once the caller's loop is unrolled)
 __device__ __forceinline__ uint32_t shift_left(uint32_t w, int s) { return s >= 0 ? w << s : w >> -s; }
 
-template <int FMT, bool BF16, bool BITS, int COPIES>
+// ONE: an MXFP4 bit-path word takes one multiply (mx_one_multiply); the caller branched
+// once for a group of words, not per word (a branch per word kept ptxas from interleaving
+// the words' decodes: the direct kernel was 5-9% slower).
+template <int FMT, bool BF16, bool BITS, int COPIES, bool ONE = false>
 __device__ __forceinline__ void decode_word(uint32_t w, const Dec& d, const float2* table,
                                             uint32_t copy, uint32_t out[4]) {
   if constexpr (BITS && FMT == kINT4) {
@@ -432,10 +453,13 @@ __device__ __forceinline__ void decode_word(uint32_t w, const Dec& d, const floa
     }
   } else if constexpr (BITS) {
     e2m1_bits<BF16>(w, out);
+    if (kFold<FMT, BF16, BITS> || ONE) {  // the scale absorbs the placement's 2^126
 #pragma unroll
-    for (int i = 0; i < 4; ++i)
-      out[i] = kFold<FMT, BF16, BITS> ? hmul2<BF16>(out[i], d.s2)
-                                      : hmul2<BF16>(hmul2<BF16>(out[i], kE2M1Fix<BF16>), d.s2);
+      for (int i = 0; i < 4; ++i) out[i] = hmul2<BF16>(out[i], d.s2);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) out[i] = hmul2<BF16>(hmul2<BF16>(out[i], kE2M1Fix<BF16>), d.s2);
+    }
   } else {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -1232,8 +1256,9 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
       }
     }
     Dec d[2][2];
+    const bool one = mx_one_multiply<FMT, BITS>(cur);
 #pragma unroll
-    for (int h = 0; h < 2; ++h) make_decs<FMT, BF16, BITS>(cur[h], tsv[0][h], p, d[h]);
+    for (int h = 0; h < 2; ++h) make_decs<FMT, BF16, BITS>(cur[h], tsv[0][h], p, d[h], one);
     // the lane's code chunks: rows wrow and wrow + 8, k [32 t, 32 t + 32) (a warp reads 512
     // contiguous bytes: no bank conflicts)
     const uint8_t* wc = wc0 + js * kStage;
@@ -1248,20 +1273,26 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
 #pragma unroll
     for (int w0 = 0; w0 < 4; w0 += kWords) {
       uint32_t a[2 * kWords][4];
+      auto decode_group = [&](auto one) {
 #pragma unroll
-      for (int w = 0; w < kWords; ++w) {
-        const int s2 = w0 + w;
-        uint32_t r[2][4];
-        decode_word<FMT, BF16, BITS, wg_copies<FMT, BN>()>(word_of(cur[0].q, s2), d[0][s2 >> 1], table, copy, r[0]);
-        decode_word<FMT, BF16, BITS, wg_copies<FMT, BN>()>(word_of(cur[1].q, s2), d[1][s2 >> 1], table, copy, r[1]);
+        for (int w = 0; w < kWords; ++w) {
+          const int s2 = w0 + w;
+          uint32_t r[2][4];
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          a[2 * w + hh][0] = r[0][2 * hh];
-          a[2 * w + hh][1] = r[1][2 * hh];
-          a[2 * w + hh][2] = r[0][2 * hh + 1];
-          a[2 * w + hh][3] = r[1][2 * hh + 1];
+          for (int h = 0; h < 2; ++h)
+            decode_word<FMT, BF16, BITS, wg_copies<FMT, BN>(), decltype(one)::value>(
+                word_of(cur[h].q, s2), d[h][s2 >> 1], table, copy, r[h]);
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            a[2 * w + hh][0] = r[0][2 * hh];
+            a[2 * w + hh][1] = r[1][2 * hh];
+            a[2 * w + hh][2] = r[0][2 * hh + 1];
+            a[2 * w + hh][3] = r[1][2 * hh + 1];
+          }
         }
-      }
+      };
+      if (one) decode_group(std::true_type{});  // warp-uniform: one branch per group
+      else decode_group(std::false_type{});
       fence_regs<2 * kWords>(a);
       wgmma_fence();
 #pragma unroll
