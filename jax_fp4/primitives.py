@@ -418,20 +418,20 @@ def _wmatmul_transpose(ct, x, codes, scales, zeros, ts, **params):
 
 
 # Fused W4A16 CUDA kernel (csrc/cuda/wmatmul.cu) and the size rule, measured on an H100
-# (benchmarks/RESULTS.md, 2026-11-23/24, device time, 8192 x 28672 / 28672 x 8192):
-# - M < 9: the direct (mma.sync) kernel, 57-79 us at M = 1 (mxfp4, int4, nf4; the wgmma
-#   kernel, tile 16, is 3-13% slower there for mxfp4 / int4 up to M = 4 and 30-55% for
-#   nf4 up to M = 8) -- except one-level nvfp4 with bf16 x, which takes the wgmma kernel
-#   from M = 1 (59.6-60.3 us against 62.2-67.0 us direct at M = 1-2).
+# (benchmarks/RESULTS.md, 2026-11-23/25, device time, 8192 x 28672 / 28672 x 8192):
+# - M < _WGMMA_MIN_M: the direct (mma.sync) kernel (nf4 and bnb_fp4 at M = 1, and the
+#   nvfp4 that is not folded up to M = 8).
 # - from there to wgmma_max_m on sm_90a: the wgmma kernel (nvfp4 M = 4-16: 58-61 us
 #   against 62-67 us direct at M = 4-8 and 90-100 us at M = 16). How far, per format
 #   (fused wgmma against dequantize + dot, ms, bench_matmul.py --rule-ms 1024 2048 4096,
-#   RESULTS.md round 6; from M = 512-2048 the kernel multicasts x, wmatmul_cluster):
+#   RESULTS.md round 6 and round 10; from M = 512-2048 the kernel multicasts x,
+#   wmatmul_cluster):
 #   - one-level nvfp4 with bf16 x (folded): up to M = 4096 (M = 4096: 2.59 / 2.44
 #     against 2.65 / 2.49; M = 2048: 1.30 / 1.20 against 1.44 / 1.35).
-#   - mxfp4, int4: up to M = 2048 (M = 2048: mxfp4 1.40 / 1.28 against 1.45 / 1.36, int4
-#     1.47 / 1.34 against 1.53 / 1.43; M = 4096: mxfp4 2.83 / 2.63 against 2.67 / 2.53,
-#     int4 2.95 / 2.71 against 2.85 / 2.67).
+#   - mxfp4: up to M = 4096 (since its decode is one multiply per pair where the block
+#     scales allow, round 10: M = 4096 2.61 / 2.53 against 2.71 / 2.55).
+#   - int4: up to M = 2048 (M = 2048: 1.47 / 1.34 against 1.53 / 1.43; M = 4096: 2.95 /
+#     2.71 against 2.85 / 2.67).
 #   - nf4, bnb_fp4 (table decode) and the rest of nvfp4: up to M = 1024 (M = 1024: nf4
 #     0.81 / 0.78 against 0.88 / 0.82; M = 2048: 1.65 / 1.57 against 1.53 / 1.44).
 # - larger M: the CUDA dequantize kernel + XLA's (cuBLAS) bf16 dot.
@@ -440,7 +440,7 @@ def _wmatmul_transpose(ct, x, codes, scales, zeros, ts, **params):
 #   dequantize + dot), then dequantize + dot.
 FUSED_FORMATS = ("nvfp4", "mxfp4", "nf4", "bnb_fp4", "int4")
 FUSED_MAX_M = 64
-FUSED_MAX_M_WGMMA = {"nvfp4": 1024, "mxfp4": 2048, "nf4": 1024, "bnb_fp4": 1024, "int4": 2048}
+FUSED_MAX_M_WGMMA = {"nvfp4": 1024, "mxfp4": 4096, "nf4": 1024, "bnb_fp4": 1024, "int4": 2048}
 FUSED_MAX_M_WGMMA_FOLDED = 4096
 _FUSED_TARGET = "jax_fp4_wmatmul_v2"
 # (rows per CTA, k per super-step, resident CTAs per SM, fewest super-steps per split) of
@@ -457,10 +457,15 @@ _FUSED_DIRECT_MAX_M = 16
 # - the table decode (nf4; bnb_fp4 decodes the same way), since its 16 table copies
 #   (harness, RESULTS.md round 7 B): M = 1 80.7 / 71.9 vs 76.9 / 74.6, M = 2 80.4 / 71.1
 #   vs 80.5 / 77.5, M = 4 80.7 / 70.8 vs 84.5 / 81.2, M = 8 80.5 / 71.7 vs 92.5 / 89.4.
-# - mxfp4 (bf16 x): M = 6 64.9 / 57.9 vs 61.1 / 60.3, M = 8 65.1 / 58.6 vs 64.1 / 62.1;
-#   int4 (bf16 scales): M = 6 69.7 / 68.1 vs 68.4 / 67.7, M = 8 67.2 / 67.0 vs 71.0 / 69.2.
+# - mxfp4 and int4 (bit path; through JAX, RESULTS.md round 10 B): the wgmma kernel
+#   steadily at 57.6-62.2 (mxfp4) and 64.1-65.6 (int4) at M = 1-8, the direct kernel
+#   57.3-62.0 / 62.6-67.1 in the rule rows but 63.9-73.9 / 67.0-72.4 as the same program
+#   timed first (the variation of round 7, not understood); M = 8: 62.2 / 59.1 vs 71.4 /
+#   62.9 (mxfp4), 64.5 / 64.2 vs 73.1 / 70.1 (int4). From M = 1. (Their table paths,
+#   mxfp4 with f16 x and int4 with other scale dtypes, were not measured apart: nf4's
+#   table decode above is 0-7% slower at M = 1 on the wgmma kernel, faster from M = 2.)
 # - one-level nvfp4 with f16 x and two-level nvfp4: 9 (not remeasured).
-_WGMMA_MIN_M = {"nvfp4": 9, "mxfp4": 8, "nf4": 2, "bnb_fp4": 2, "int4": 8}
+_WGMMA_MIN_M = {"nvfp4": 9, "mxfp4": 1, "nf4": 2, "bnb_fp4": 2, "int4": 1}
 _WGMMA_MIN_M_FOLDED = 1
 _FUSED_GEOMETRY = {"direct": (128, 256, 4, 1), "staged": (128, 128, 4, 2),
                    16: (128, 128, 2, 16), 32: (128, 128, 2, 16), 64: (128, 128, 2, 16),
