@@ -364,7 +364,7 @@ __device__ __forceinline__ void e4m3x2_decode(uint32_t bits, float* lo, float* h
 
 // Decode constants of one (row, 16-element half of a chunk).
 struct Dec {
-  uint32_t s2, z2;  // bit path: scale pair, INT4 (magic + z) pair
+  uint32_t s2, z2;  // bit path: scale pair, INT4 (magic + z) pair, MXFP4 second factor
   float s, z;       // table path
 };
 
@@ -383,22 +383,22 @@ __device__ __forceinline__ Dec make_dec(uint32_t sbits, uint32_t zbits, float ts
   return d;
 }
 
-// Whether MXFP4's bit path decodes a step's words with one multiply per pair (make_decs):
-// every lane's block scales of both its rows are <= 2, by a warp vote, so that the choice
-// is one warp-uniform branch per group of words. The wgmma kernel only: the mma.sync
-// kernels, bound by their loads, were 0-3% slower with it.
+// Whether the wgmma kernel must apply MXFP4's second scale factor to a step's words
+// (make_decs: 2^(e - 128) for E8M0 scales e > 128): some lane's block scale of either of
+// its rows is > 2, by a warp vote, so that skipping it is one warp-uniform branch per group
+// of words. The mma.sync kernels always apply it (a vote and branch made them 0-3% slower:
+// they are bound by their loads).
 template <int FMT, bool BITS>
-__device__ __forceinline__ bool mx_one_multiply(const Chunk (&c)[2]) {
+__device__ __forceinline__ bool mx_scale_fixup(const Chunk (&c)[2]) {
   if constexpr (FMT == kMXFP4 && BITS)
-    return __all_sync(0xffffffffu, (c[0].s & 0xffu) <= 128u && (c[1].s & 0xffu) <= 128u);
+    return !__all_sync(0xffffffffu, (c[0].s & 0xffu) <= 128u && (c[1].s & 0xffu) <= 128u);
   else
     return false;
 }
 
-// Both halves of a chunk; `one`: mx_one_multiply's answer (MXFP4's bit path).
+// Both halves of a chunk.
 template <int FMT, bool BF16, bool BITS>
-__device__ __forceinline__ void make_decs(const Chunk& c, float ts, const WParams& p, Dec d[2],
-                                          bool one = false) {
+__device__ __forceinline__ void make_decs(const Chunk& c, float ts, const WParams& p, Dec d[2]) {
   if constexpr (FMT == kNVFP4 && BITS) {
     float s0, s1;
     e4m3x2_decode(c.s, &s0, &s1);
@@ -409,16 +409,16 @@ __device__ __forceinline__ void make_decs(const Chunk& c, float ts, const WParam
     d[0].s2 = pack2<BF16>(s0, s0);  // exact: s * 2^117 <= 448 * 2^117, 4 significant bits
     d[1].s2 = pack2<BF16>(s1, s1);
   } else if constexpr (FMT == kMXFP4 && BITS) {
-    // E8M0 code e: 2^(e - 127) (e = 0: 2^-127, a bf16 subnormal; 255: NaN). The placed
-    // bits are v * 2^-126, so where the scales are <= 2 (e <= 128: any block whose absmax
-    // is below 8, as in trained weights; `one`), one multiply by 2^(e - 1) (normal in
-    // bf16 for e <= 128) gives v * 2^(e - 127) exactly (>= 2^-128 with two significant
-    // bits: a bf16 subnormal at worst). Otherwise 2^126, then 2^(e - 127): 2^(e - 1)
-    // would overflow.
+    // E8M0 code e: 2^(e - 127) (255: NaN). The placed bits are v * 2^-126; times s2 =
+    // 2^(min(e, 128) - 1), a normal bf16, they are v * 2^(min(e, 128) - 127) exactly
+    // (>= 2^-128 with two significant bits: a bf16 subnormal at worst), and times z2 =
+    // 2^(e - 128) for e > 128 (NaN for 255), else 1, v * 2^(e - 127), as exact as the
+    // reference's float32 product. Where a warp's scales are all <= 2 (e <= 128: blocks
+    // whose absmax is below 8, as in trained weights) the wgmma kernel skips the
+    // multiply by 1 (mx_scale_fixup): one multiply per pair, as nvfp4's.
     const uint32_t e = c.s & 0xffu;
-    const uint32_t h = one ? (e + 126u) << 7 : e == 255u ? 0x7fc0u : (e == 0u ? 0x40u : e << 7);
-    d[0].s2 = h * 0x10001u;
-    d[0].z2 = 0;
+    d[0].s2 = ((e < 128u ? e : 128u) + 126u) * 0x800080u;
+    d[0].z2 = e <= 128u ? 0x3f803f80u : e == 255u ? 0x7fc07fc0u : (e - 1u) * 0x800080u;
     d[1] = d[0];
   } else if constexpr (FMT == kNVFP4) {
     d[0] = make_dec<FMT, BF16, BITS>(c.s & 0xffu, 0, ts, p);
@@ -437,10 +437,9 @@ __device__ __forceinline__ void make_decs(const Chunk& c, float ts, const WParam
 // w << s, or w >> -s for s < 0 (|s| < 32; s a constant once the caller's loop is unrolled)
 __device__ __forceinline__ uint32_t shift_left(uint32_t w, int s) { return s >= 0 ? w << s : w >> -s; }
 
-// ONE: an MXFP4 bit-path word takes one multiply (mx_one_multiply); the caller branched
-// once for a group of words, not per word (a branch per word kept ptxas from interleaving
-// the words' decodes: the direct kernel was 5-9% slower).
-template <int FMT, bool BF16, bool BITS, int COPIES, bool ONE = false>
+// FIX = false: an MXFP4 bit-path word without its second scale factor, which the caller
+// applies to its group of words where mx_scale_fixup says (the wgmma kernel).
+template <int FMT, bool BF16, bool BITS, int COPIES, bool FIX = true>
 __device__ __forceinline__ void decode_word(uint32_t w, const Dec& d, const float2* table,
                                             uint32_t copy, uint32_t out[4]) {
   if constexpr (BITS && FMT == kINT4) {
@@ -453,12 +452,16 @@ __device__ __forceinline__ void decode_word(uint32_t w, const Dec& d, const floa
     }
   } else if constexpr (BITS) {
     e2m1_bits<BF16>(w, out);
-    if (kFold<FMT, BF16, BITS> || ONE) {  // the scale absorbs the placement's 2^126
 #pragma unroll
-      for (int i = 0; i < 4; ++i) out[i] = hmul2<BF16>(out[i], d.s2);
-    } else {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) out[i] = hmul2<BF16>(hmul2<BF16>(out[i], kE2M1Fix<BF16>), d.s2);
+    for (int i = 0; i < 4; ++i) {
+      if constexpr (kFold<FMT, BF16, BITS>) {  // the scale absorbs the placement's 2^126
+        out[i] = hmul2<BF16>(out[i], d.s2);
+      } else if constexpr (FMT == kMXFP4) {  // (see make_decs)
+        out[i] = hmul2<BF16>(out[i], d.s2);
+        if constexpr (FIX) out[i] = hmul2<BF16>(out[i], d.z2);
+      } else {
+        out[i] = hmul2<BF16>(hmul2<BF16>(out[i], kE2M1Fix<BF16>), d.s2);
+      }
     }
   } else {
 #pragma unroll
@@ -1256,9 +1259,9 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
       }
     }
     Dec d[2][2];
-    const bool one = mx_one_multiply<FMT, BITS>(cur);
+    const bool fixup = mx_scale_fixup<FMT, BITS>(cur);
 #pragma unroll
-    for (int h = 0; h < 2; ++h) make_decs<FMT, BF16, BITS>(cur[h], tsv[0][h], p, d[h], one);
+    for (int h = 0; h < 2; ++h) make_decs<FMT, BF16, BITS>(cur[h], tsv[0][h], p, d[h]);
     // the lane's code chunks: rows wrow and wrow + 8, k [32 t, 32 t + 32) (a warp reads 512
     // contiguous bytes: no bank conflicts)
     const uint8_t* wc = wc0 + js * kStage;
@@ -1273,26 +1276,31 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
 #pragma unroll
     for (int w0 = 0; w0 < 4; w0 += kWords) {
       uint32_t a[2 * kWords][4];
-      auto decode_group = [&](auto one) {
 #pragma unroll
-        for (int w = 0; w < kWords; ++w) {
-          const int s2 = w0 + w;
-          uint32_t r[2][4];
+      for (int w = 0; w < kWords; ++w) {
+        const int s2 = w0 + w;
+        uint32_t r[2][4];
 #pragma unroll
-          for (int h = 0; h < 2; ++h)
-            decode_word<FMT, BF16, BITS, wg_copies<FMT, BN>(), decltype(one)::value>(
-                word_of(cur[h].q, s2), d[h][s2 >> 1], table, copy, r[h]);
+        for (int h = 0; h < 2; ++h)
+          decode_word<FMT, BF16, BITS, wg_copies<FMT, BN>(), false>(word_of(cur[h].q, s2), d[h][s2 >> 1],
+                                                                   table, copy, r[h]);
 #pragma unroll
-          for (int hh = 0; hh < 2; ++hh) {
-            a[2 * w + hh][0] = r[0][2 * hh];
-            a[2 * w + hh][1] = r[1][2 * hh];
-            a[2 * w + hh][2] = r[0][2 * hh + 1];
-            a[2 * w + hh][3] = r[1][2 * hh + 1];
-          }
+        for (int hh = 0; hh < 2; ++hh) {
+          a[2 * w + hh][0] = r[0][2 * hh];
+          a[2 * w + hh][1] = r[1][2 * hh];
+          a[2 * w + hh][2] = r[0][2 * hh + 1];
+          a[2 * w + hh][3] = r[1][2 * hh + 1];
         }
-      };
-      if (one) decode_group(std::true_type{});  // warp-uniform: one branch per group
-      else decode_group(std::false_type{});
+      }
+      // MXFP4's second scale factor, where a lane's scale is > 2: one branch around its
+      // multiplies, the decode itself the same in every case (as fast as a branch between
+      // two decodes, benchmarks/NOTES.md round 10)
+      if (fixup) {
+#pragma unroll
+        for (int i = 0; i < 2 * kWords; ++i)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) a[i][j] = hmul2<BF16>(a[i][j], d[j & 1][0].z2);
+      }
       fence_regs<2 * kWords>(a);
       wgmma_fence();
 #pragma unroll
