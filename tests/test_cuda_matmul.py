@@ -29,8 +29,8 @@ W_CASES = [
     ("int4", 64, {}, F16), ("int4", 16, {"scale_dtype": F16}, F16)]
 # (M, K, N): M = 1 and 4 (the direct kernel, or the wgmma kernel with tile_m = 16 for
 # mxfp4, int4 and one-level nvfp4 with bf16 x, and from M = 2 for nf4 and bnb_fp4; the
-# mma family runs the direct kernel at every M <= 16); 13, 17, 33, 100, 300 (wgmma kernel with tile_m =
-# 16, 32, 64, 128, 256, M ragged, two M tiles at 300; without wgmma: the direct kernel
+# mma family runs the direct kernel at every M <= 16); 13, 17, 33, 100, 300 (wgmma kernel
+# with tile_m = 16, 32, 64, 128, 256, M ragged, two M tiles at 300; without wgmma: the direct kernel
 # at 13, the staged kernel above); K not a multiple of the 128/256-k steps; N not a
 # multiple of 128 (at 300: three 128-row weight tiles, so the last 2-CTA cluster of the
 # BN = 256 kernel has a CTA wholly past N), and at 100 not a multiple of 4 either (the
@@ -147,8 +147,9 @@ def test_fused_wmatmul_matches_reference(fmt, bs, kw, dtype, family, rng, monkey
         _check_fused(fmt, bs, kw, dtype, m, k, n, family, rng)
 
 
-# mxfp4's bit path multiplies once per pair where every lane of a warp has block scales
-# <= 2 (E8M0 <= 128), twice otherwise (csrc/cuda/wmatmul.cu, make_decs). The default
+# mxfp4's bit path multiplies by two scale factors, the second 1 unless E8M0 > 128; the
+# wgmma kernel skips it where every lane of a warp has block scales <= 2 (csrc/cuda/
+# wmatmul.cu, make_decs and mx_scale_fixup). The default
 # weights above put most warps (16 output columns at 10^-3..10^2) on the second path, so
 # here: weights whose blocks are all small (one multiply everywhere; a zero block, and a
 # subnormal one whose scale is E8M0 = 0, 2^-127), the same with one large block in every

@@ -1299,7 +1299,7 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
 #pragma unroll
         for (int i = 0; i < 2 * kWords; ++i)
 #pragma unroll
-          for (int j = 0; j < 4; ++j) a[i][j] = hmul2<BF16>(a[i][j], d[j & 1][0].z2);
+          for (int j = 0; j < 4; ++j) a[i][j] = hmul2<BF16>(a[i][j], d[j & 1][0].z2);  // row j & 1
       }
       fence_regs<2 * kWords>(a);
       wgmma_fence();
