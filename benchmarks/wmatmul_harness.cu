@@ -10,7 +10,7 @@
 //        -I$(python3 -c "import jax.ffi; print(jax.ffi.include_dir())") \
 //        -diag-suppress 940,2473 benchmarks/wmatmul_harness.cu -o wmatmul_harness
 //   ./wmatmul_harness FMT K N M TILE_M SPLITS [REPS [CLUSTER]]   FMT: nvfp4 mxfp4 nf4 int4;
-//        TILE_M 0 = the mma.sync kernels, 32/64/128/256 = the wgmma kernel; SPLITS as
+//        TILE_M 0 = the mma.sync kernels, 8/16/32/64/128/256 = the wgmma kernel; SPLITS as
 //        jax_fp4.primitives.wmatmul_splits(M, N, K, sms, TILE_M) gives them; CLUSTER 2:
 //        TILE_M 256 in 2-CTA clusters that multicast x (primitives.wmatmul_cluster)
 //   ./wmatmul_harness roof                             read-only stream and D2D copy

@@ -449,7 +449,7 @@ _FUSED_TARGET = "jax_fp4_wmatmul_v2"
 # sweep (S = 1, 2, 4, 7) at M = 32-128 on the two shapes above was fastest at the
 # smallest S that fills the GPU.
 _FUSED_DIRECT_MAX_M = 16
-# The wgmma kernel from _WGMMA_MIN_M[fmt] rows of x (tile_m = 16 up to M = 16), and from
+# The wgmma kernel from _WGMMA_MIN_M[fmt] rows of x (tile_m = 8 up to M = 8, 16 up to 16), and from
 # M = 1 where it decodes with one multiply per pair (wmatmul_folded). Measured on an H100,
 # 8192 x 28672 / 28672 x 8192, wgmma vs direct kernel (us):
 # - one-level nvfp4 bf16 (bench_matmul.py --rule-ms, RESULTS.md round 4 E): M = 1 60.2 /
@@ -468,7 +468,8 @@ _FUSED_DIRECT_MAX_M = 16
 _WGMMA_MIN_M = {"nvfp4": 9, "mxfp4": 1, "nf4": 2, "bnb_fp4": 2, "int4": 1}
 _WGMMA_MIN_M_FOLDED = 1
 _FUSED_GEOMETRY = {"direct": (128, 256, 4, 1), "staged": (128, 128, 4, 2),
-                   16: (128, 128, 2, 16), 32: (128, 128, 2, 16), 64: (128, 128, 2, 16),
+                   8: (128, 128, 2, 16), 16: (128, 128, 2, 16), 32: (128, 128, 2, 16),
+                   64: (128, 128, 2, 16),
                    128: (128, 128, 1, 16), 256: (128, 128, 1, 16)}
 
 
@@ -655,7 +656,7 @@ def wmatmul_tile_m(m, fmt, wgmma=None, folded=False):
     (0: the mma.sync kernels: M < wgmma_min_m(fmt, folded), or no wgmma)."""
     if m < wgmma_min_m(fmt, folded) or not (wgmma_available() if wgmma is None else wgmma):
         return 0
-    return 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128 if m <= 128 else 256
+    return 8 if m <= 8 else 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128 if m <= 128 else 256
 
 
 def wmatmul_head_rows(m, n, k, tile_m, sms=None):

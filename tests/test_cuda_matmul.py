@@ -27,7 +27,7 @@ W_CASES = [
     ("int4", 32, {"scale_dtype": jnp.float32}, BF16),
     ("nvfp4", 16, {}, F16), ("nvfp4", 16, {"tensor_scale": "auto"}, F16), ("mxfp4", 32, {}, F16),
     ("int4", 64, {}, F16), ("int4", 16, {"scale_dtype": F16}, F16)]
-# (M, K, N): M = 1 and 4 (the direct kernel, or the wgmma kernel with tile_m = 16 for
+# (M, K, N): M = 1 and 4 (the direct kernel, or the wgmma kernel with tile_m = 8 for
 # mxfp4, int4 and one-level nvfp4 with bf16 x, and from M = 2 for nf4 and bnb_fp4; the
 # mma family runs the direct kernel at every M <= 16); 13, 17, 33, 100, 300 (wgmma kernel
 # with tile_m = 16, 32, 64, 128, 256, M ragged, two M tiles at 300; without wgmma: the direct kernel
@@ -180,7 +180,7 @@ def test_fused_mxfp4_scale_ranges(family, rng, monkeypatch):
 # The size rule gives the wgmma kernel K-splits only for >= 16 steps per split, which the
 # small shapes above never reach; the big-shape benchmarks run S = 2 and 4. Forced here:
 # K = 1056 is 9 steps of 128, so S = 2 / 4 / 5 split them 5+4 / 3+3+3+0 (an empty split)
-# / 2+2+2+2+1, at each tile width (BN = 16 / 32 / 64 / 128 refilled by thread 0, 256 by
+# / 2+2+2+2+1, at each tile width (BN = 8 / 16 / 32 / 64 / 128 refilled by thread 0, 256 by
 # the producer warpgroup) and through the bit and table decode paths.
 @pytest.mark.parametrize("splits", [2, 4, 5])
 @pytest.mark.parametrize("fmt,bs,kw,dtype", [W_CASES[0], W_CASES[1], W_CASES[3], W_CASES[7]],
@@ -191,16 +191,16 @@ def test_fused_wgmma_k_splits(fmt, bs, kw, dtype, splits, rng, monkeypatch):
         pytest.skip("the wgmma kernel needs a compute capability 9.0 GPU and an sm_90a build")
     monkeypatch.setattr(primitives, "FUSED_MAX_M", 1 << 30)
     monkeypatch.setattr(primitives, "wmatmul_splits", lambda *a, **k: splits)
-    for m in (13, 17, 33, 100, 300):
+    for m in (5, 13, 17, 33, 100, 300):
         _check_fused(fmt, bs, kw, dtype, m, 1056, 200, "wgmma", rng, splits)
 
 
 # The wgmma kernel takes the block scales (and INT4 zero points) by TMA with each stage
 # (scale boxes) where the scale rows are 16-byte multiples and wg_boxes allows (not nvfp4,
-# whose lanes load the scales; the other formats at BN = 16, 32, 128 and, where two CTAs
+# whose lanes load the scales; the other formats at BN = 8, 16, 32, 128 and, where two CTAs
 # per SM still fit, 64); the shapes above mostly do not qualify (K / block_size scale bytes per row), so
-# they test the lanes' scale loads. K = 2048 qualifies for every format here (M = 13, 17,
-# 33, 100: BN = 16, 32, 64, 128); N = 200 leaves rows past N in the last CTA's boxes;
+# they test the lanes' scale loads. K = 2048 qualifies for every format here (M = 5, 13, 17,
+# 33, 100: BN = 8, 16, 32, 64, 128); N = 200 leaves rows past N in the last CTA's boxes;
 # S = 3 starts two splits mid-row.
 @pytest.mark.parametrize("fmt,bs,kw,dtype", W_CASES, ids=str)
 def test_fused_wgmma_scale_boxes(fmt, bs, kw, dtype, rng, monkeypatch):
@@ -208,7 +208,7 @@ def test_fused_wgmma_scale_boxes(fmt, bs, kw, dtype, rng, monkeypatch):
     if not primitives.wgmma_available():
         pytest.skip("the wgmma kernel needs a compute capability 9.0 GPU and an sm_90a build")
     monkeypatch.setattr(primitives, "FUSED_MAX_M", 1 << 30)
-    for m in (13, 17, 33, 100):
+    for m in (5, 13, 17, 33, 100):
         _check_fused(fmt, bs, kw, dtype, m, 2048, 200, "wgmma", rng)
     monkeypatch.setattr(primitives, "wmatmul_splits", lambda *a, **k: 3)
     _check_fused(fmt, bs, kw, dtype, 13, 2048, 200, "wgmma", rng, 3)

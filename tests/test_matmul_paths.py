@@ -46,9 +46,11 @@ def test_scaled_matmul_bf16_decomposition_equals_reference(a_fmt, b_fmt, rng):
 def test_wmatmul_splits_rule(wgmma):
     """Waves >= 90% full on a 132-SM GPU, no empty split, bounded partial-sum bytes, for
     the mma.sync kernels and the wgmma kernel's tiles."""
-    for m in (1, 16, 17, 33, 64, 65, 256, 1024):  # nvfp4 not folded: direct kernel to M = 8
-        tile_m = primitives.wmatmul_tile_m(m, "nvfp4", wgmma=wgmma)
-        assert (tile_m > 0) == (wgmma and m >= 9) and (not tile_m or tile_m >= min(m, 256))
+    # nvfp4 not folded: direct kernel to M = 8; folded: the wgmma kernel's 8-row tile
+    for m, folded in ((1, False), (16, False), (17, False), (33, False), (64, False), (65, False),
+                      (256, False), (1024, False), (1, True), (8, True)):
+        tile_m = primitives.wmatmul_tile_m(m, "nvfp4", wgmma=wgmma, folded=folded)
+        assert (tile_m > 0) == (wgmma and (m >= 9 or folded)) and (not tile_m or tile_m >= min(m, 256))
         kind = tile_m or ("direct" if m <= 16 else "staged")
         rows, step, per_sm, min_steps = primitives._FUSED_GEOMETRY[kind]
         slots = per_sm * 132
@@ -77,14 +79,16 @@ def test_wmatmul_splits_rule(wgmma):
 def test_wmatmul_tile_rule():
     """The wgmma kernel's tiles by M: from M = 1 for mxfp4 and int4, 2 for the table decode
     (nf4, bnb_fp4), 9 for nvfp4, or from M = 1 where the decode is one multiply per pair
-    (one-level nvfp4 with bf16 x); tile_m = 16 up to M = 16."""
+    (one-level nvfp4 with bf16 x); tile_m = 8 up to M = 8, 16 up to M = 16."""
     tile = primitives.wmatmul_tile_m
     assert [tile(m, "nvfp4", wgmma=True) for m in (1, 8, 9, 16, 17, 32, 33, 64, 65, 128, 129, 2048)] == \
         [0, 0, 16, 16, 32, 32, 64, 64, 128, 128, 256, 256]
-    assert [tile(m, "nvfp4", wgmma=True, folded=True) for m in (1, 3, 4, 8, 9, 17)] == [16] * 5 + [32]
+    assert [tile(m, "nvfp4", wgmma=True, folded=True) for m in (1, 3, 4, 8, 9, 16, 17)] == \
+        [8] * 4 + [16, 16, 32]
     assert tile(64, "nvfp4", wgmma=False, folded=True) == 0
     for fmt, first in (("nf4", 2), ("bnb_fp4", 2), ("mxfp4", 1), ("int4", 1)):
-        assert [tile(m, fmt, wgmma=True) for m in (first - 1, first, 16, 17)] == [0, 16, 16, 32], fmt
+        assert [tile(m, fmt, wgmma=True) for m in (first - 1, first, 8, 9, 16, 17)] == \
+            [0, 8, 8, 16, 16, 32], fmt
         assert tile(first, fmt, wgmma=False) == 0
     folded = primitives.wmatmul_folded
     assert folded("nvfp4", jnp.bfloat16, 0)

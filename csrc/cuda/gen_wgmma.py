@@ -6,7 +6,7 @@ thread) are long enough that writing them out by hand invites typos.
 """
 import pathlib
 
-WIDTHS = (16, 32, 64, 128, 256)
+WIDTHS = (8, 16, 32, 64, 128, 256)
 
 
 def specialization(n, dtype):

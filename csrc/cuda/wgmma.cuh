@@ -16,6 +16,26 @@ __device__ void wgmma_rs(float* d, const uint32_t* a, uint64_t desc);
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
 template <>
+__device__ __forceinline__ void wgmma_rs<8, true>(float* d, const uint32_t* a, uint64_t desc) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, 1, 0;\n"
+      " wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_rs<8, false>(float* d, const uint32_t* a, uint64_t desc) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, 1, 0;\n"
+      " wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+
+template <>
 __device__ __forceinline__ void wgmma_rs<16, true>(float* d, const uint32_t* a, uint64_t desc) {
   asm volatile(
       "{\n .reg .pred p;\n setp.ne.b32 p, 1, 0;\n"

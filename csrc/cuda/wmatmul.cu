@@ -845,16 +845,18 @@ __global__ void __launch_bounds__(kWarps * 32, 4) wmatmul_direct_kernel(
     store_tile<BF16, MT>(out, acc[rt], kAccScale<FMT, BF16, BITS>, n_warp + rt * 16, 0, g, t, p);
 }
 
-// ---- wgmma kernel (sm_90a, M >= 9; one-level nvfp4 with bf16 x: M >= 4) ----
+// ---- wgmma kernel (sm_90a; from which M per format: primitives._WGMMA_MIN_M) ----
 //
 // Warpgroup MMA with the weight as A from registers (decoded exactly as above) and the
 // activations as B from shared memory (Machete's arrangement on Hopper: the decoded
 // weight never leaves registers). A CTA is two warpgroups over 128 weight rows (warpgroup
 // wg: rows 64 wg + 16 warp + {g, g + 8}, lane t owning k [32 t, 32 t + 32) of each per
 // 128-k step, as in the staged kernel) and BN activation rows; per 128-k step each
-// warpgroup issues 8 wgmma m64nBNk16. The MMA sums over k, so the activations must sit in
-// shared memory in the lane's k order: the caller passes x pre-permuted within each
-// 128-k block (jax_fp4/primitives.py, wmatmul_x_layout), so that plain tile copies do.
+// warpgroup issues 8 wgmma m64nBNk16, BN = 8 .. 256 (the caller's tile_m: 8 for M <= 8,
+// where n8 against n16 was 1-6% faster on the H100, benchmarks/NOTES.md round 11). The
+// MMA sums over k, so the activations must sit in shared memory in the lane's k order:
+// the caller passes x pre-permuted within each 128-k block (jax_fp4/primitives.py,
+// wmatmul_x_layout), so that plain tile copies do.
 //
 // Pipeline. The tensor memory accelerator copies each step's BN x 128 activation tile
 // (two 64-k boxes, zero past M) into the 128-byte-swizzled K-major layout that the wgmma
@@ -1493,6 +1495,7 @@ cudaError_t launch_kernel(cudaStream_t stream, const uint16_t* xp, const uint8_t
                           const void* sp, const uint8_t* zp, const float* tp, void* out,
                           const WParams& p, int splits, int64_t tile_m) {
   switch (tile_m) {
+    case 8: return launch_wgmma<FMT, BF16, BITS, 8>(stream, xp, cp, sp, zp, tp, out, p, splits);
     case 16: return launch_wgmma<FMT, BF16, BITS, 16>(stream, xp, cp, sp, zp, tp, out, p, splits);
     case 32: return launch_wgmma<FMT, BF16, BITS, 32>(stream, xp, cp, sp, zp, tp, out, p, splits);
     case 64: return launch_wgmma<FMT, BF16, BITS, 64>(stream, xp, cp, sp, zp, tp, out, p, splits);
@@ -1572,9 +1575,9 @@ ffi::Error WMatmulImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer cod
   if (fmt != kNVFP4 && fmt != kMXFP4 && fmt != kNF4 && fmt != kBNB_FP4 && fmt != kINT4)
     return invalid(where, "attribute `fmt` = " + std::to_string(fmt) +
                               " has no fused kernel (nvfp4, mxfp4, nf4, bnb_fp4, int4 only)");
-  if (tile_m != 0 && tile_m != 16 && tile_m != 32 && tile_m != 64 && tile_m != 128 && tile_m != 256)
+  if (tile_m != 0 && tile_m != 8 && tile_m != 16 && tile_m != 32 && tile_m != 64 && tile_m != 128 && tile_m != 256)
     return invalid(where, "attribute `tile_m` = " + std::to_string(tile_m) +
-                              " must be 0 (mma.sync kernels) or 16, 32, 64, 128, 256 (wgmma kernel)");
+                              " must be 0 (mma.sync kernels) or 8, 16, 32, 64, 128, 256 (wgmma kernel)");
   if (cluster != 1 && !(cluster == 2 && tile_m == 256))
     return invalid(where, "attribute `cluster` = " + std::to_string(cluster) +
                               " must be 1, or 2 with tile_m = 256 (got tile_m = " +
