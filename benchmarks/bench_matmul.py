@@ -11,6 +11,7 @@ RESULTS.md.
 
   python benchmarks/bench_matmul.py [--shapes 8192x28672 28672x8192] [--ms 1 16 64]
       [--formats nvfp4 mxfp4 nf4 int4] [--scaled 4096 8192] [--rule-ms 256 512 1024]
+      [--x-dtype float16] [--tensor-scale]
 """
 from __future__ import annotations
 
@@ -65,11 +66,13 @@ def bench_w4a16(args, roof, rows):
     for shape in args.shapes:
         k, n = (int(v) for v in shape.split("x"))
         r = min(32, max(4, -(-4 * L2_BYTES // weight_bytes("nvfp4", k, n))))
-        ws = [jax.random.normal(jax.random.fold_in(key, i), (k, n), jnp.bfloat16) * 0.02
+        ws = [jax.random.normal(jax.random.fold_in(key, i), (k, n), args.x_dtype) * 0.02
               for i in range(r)]
-        qs = {fmt: [jf.quantize(w, fmt, axis=0) for w in ws] for fmt in args.formats}
+        qs = {fmt: [jf.quantize(w, fmt, axis=0, **(
+            {"tensor_scale": "auto"} if fmt == "nvfp4" and args.tensor_scale else {}))
+            for w in ws] for fmt in args.formats}
         for m in args.ms:
-            x = jax.random.normal(jax.random.fold_in(key, 1000 + m), (m, k), jnp.bfloat16)
+            x = jax.random.normal(jax.random.fold_in(key, 1000 + m), (m, k), args.x_dtype)
             t_bf16 = timed(jax.jit(lambda x, *w: [x @ v for v in w]), (x, *ws), r)
             floor_bf16 = weight_bytes("bf16", k, n) / roof
             print(f"{shape:11s} M={m:5d} bf16 {t_bf16 * 1e6:9.1f} us", flush=True)
@@ -89,8 +92,7 @@ def bench_w4a16(args, roof, rows):
                 print(f"{shape:11s} M={m:5d} {fmt:8s} {path:11s} {t * 1e6:9.1f} us  "
                       f"x{t_bf16 / t:5.2f} vs bf16 (ideal x{floor_bf16 / floor:4.2f})  "
                       f"x{t_ref / t:6.1f} vs ref  {100 * floor / t:5.1f}% of floor", flush=True)
-            # the size rule: the W4A16 paths side by side where they meet (the wgmma
-            # kernel forced down to M = 1)
+            # the size rule: the W4A16 paths side by side at this M, each forced
             if m in args.rule_ms:
                 for fmt in args.formats:
                     bench_rule(shape, m, fmt, x, qs[fmt], r, t_bf16, rows)
@@ -100,8 +102,7 @@ def bench_w4a16(args, roof, rows):
 def bench_rule(shape, m, fmt, x, q, r, t_bf16, rows):
     """One format at one M on each W4A16 path: wgmma kernel, mma.sync kernel, dequantize
     + dot (rows labelled 'FMT (rule)')."""
-    names = ("FUSED_MAX_M", "FUSED_MAX_M_WGMMA", "FUSED_MAX_M_WGMMA_FOLDED", "wgmma_available",
-             "_WGMMA_MIN_M", "_WGMMA_MIN_M_FOLDED")
+    names = ("FUSED_MAX_M", "FUSED_MAX_M_WGMMA", "FUSED_MAX_M_WGMMA_FOLDED", "wgmma_available")
     saved = [getattr(primitives, a) for a in names]
     have_wgmma = primitives.wgmma_available()
     try:
@@ -112,8 +113,6 @@ def bench_rule(shape, m, fmt, x, q, r, t_bf16, rows):
             primitives.FUSED_MAX_M = primitives.FUSED_MAX_M_WGMMA_FOLDED = limit
             primitives.FUSED_MAX_M_WGMMA = dict.fromkeys(primitives.FUSED_FORMATS, limit)
             primitives.wgmma_available = lambda wgmma=wgmma: wgmma
-            primitives._WGMMA_MIN_M = dict.fromkeys(primitives.FUSED_FORMATS, 1)
-            primitives._WGMMA_MIN_M_FOLDED = 1
             fn = jax.jit(lambda x, *q: [jf.matmul(x, v) for v in q])
             t = timed(fn, (x, *q), r)
             rows.append((shape, m, f"{fmt} (rule)", label, t * 1e6, t_bf16 * 1e6,
@@ -169,6 +168,10 @@ def main(argv=None):
     ap.add_argument("--rule-ms", nargs="*", type=int, default=[256, 512, 1024])
     ap.add_argument("--scaled", nargs="*", type=int, default=[2048, 4096, 8192],
                     help="M = N = K sizes of the block-scaled matmul")
+    ap.add_argument("--x-dtype", default="bfloat16", choices=["bfloat16", "float16"],
+                    help="dtype of x and of the baseline's weights (W4A16)")
+    ap.add_argument("--tensor-scale", action="store_true",
+                    help="nvfp4 weights with their fp32 per-tensor scale (two-level)")
     ap.add_argument("--results", default=os.path.join(os.path.dirname(__file__), "RESULTS.md"))
     args = ap.parse_args(argv)
     dev = jax.devices()[0]
@@ -181,7 +184,7 @@ def main(argv=None):
             f"GPU: {dev.device_kind}; jax {jax.__version__}; copy roof {roof / 1e9:.0f} GB/s. "
             "Device time per call = GPU kernel time (JAX profiler device trace, 5 calls) of one "
             "jitted function running the op on R distinct weights (together > L2), divided by "
-            "R. x bf16 (M, K); weight "
+            f"R. x {args.x_dtype} (M, K); weight "
             "(K, N) blocked along K. 'ideal' = bf16 weight bytes / 4-bit weight + scale bytes; "
             "'% of floor' = (weight + scale bytes / copy roof) / time.\n\n")
     table = ("| K x N | M | weight | path | time (us) | bf16 dot (us) | x vs bf16 | ideal x | "

@@ -41,8 +41,8 @@ for fmt, bs, kw in cases if "quant" in parts else []:
             s = jf.quantize(x, fmt, block_size=bs, scale_layout="swizzled", **kw).scales
             jax.block_until_ready((q, y, f, s))
             n += 4
-# fused W4A16: ragged M (direct kernel; wgmma tiles of 16 (M = 4 for one-level nvfp4 with
-# bf16 x, and 13), 64, 128, 256, two of them at 300),
+# fused W4A16: ragged M (wgmma tiles of 8 (M = 1, 4), 16 (13), 64, 128, 256, two of them
+# at 300; the mma.sync kernels where wgmma cannot run),
 # K not a multiple of 128 (the lanes load the scales), and K = 2048 (the wgmma kernel's
 # scale boxes), N not a multiple of 128; M = 200 and 300 on the grid that
 # primitives.wmatmul_grid picks for this small weight (128-row tiles: it fills under half

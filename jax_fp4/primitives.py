@@ -419,10 +419,8 @@ def _wmatmul_transpose(ct, x, codes, scales, zeros, ts, **params):
 
 # Fused W4A16 CUDA kernel (csrc/cuda/wmatmul.cu) and the size rule, measured on an H100
 # (benchmarks/RESULTS.md, 2026-11-23/25, device time, 8192 x 28672 / 28672 x 8192):
-# - M < _WGMMA_MIN_M: the direct (mma.sync) kernel (nf4 and bnb_fp4 at M = 1, and the
-#   nvfp4 that is not folded up to M = 8).
-# - from there to wgmma_max_m on sm_90a: the wgmma kernel (nvfp4 M = 4-16: 58-61 us
-#   against 62-67 us direct at M = 4-8 and 90-100 us at M = 16). How far, per format
+# - M = 1 to wgmma_max_m on sm_90a: the wgmma kernel (nvfp4 M = 1-16: 58-61 us against
+#   62-67 us direct at M = 1-8 and 90-100 us at M = 16). How far, per format
 #   (fused wgmma against dequantize + dot, ms, bench_matmul.py --rule-ms 1024 2048 4096,
 #   RESULTS.md round 6 and round 10; from M = 512-2048 the kernel multicasts x,
 #   wmatmul_cluster):
@@ -449,24 +447,18 @@ _FUSED_TARGET = "jax_fp4_wmatmul_v2"
 # sweep (S = 1, 2, 4, 7) at M = 32-128 on the two shapes above was fastest at the
 # smallest S that fills the GPU.
 _FUSED_DIRECT_MAX_M = 16
-# The wgmma kernel from _WGMMA_MIN_M[fmt] rows of x (tile_m = 8 up to M = 8, 16 up to 16), and from
-# M = 1 where it decodes with one multiply per pair (wmatmul_folded). Measured on an H100,
-# 8192 x 28672 / 28672 x 8192, wgmma vs direct kernel (us):
-# - one-level nvfp4 bf16 (bench_matmul.py --rule-ms, RESULTS.md round 4 E): M = 1 60.2 /
-#   59.6 vs 62.2 / 65.4, M = 2 60.3 / 60.1 vs 63.6 / 67.0.
-# - the table decode (nf4; bnb_fp4 decodes the same way), since its 16 table copies
-#   (harness, RESULTS.md round 7 B): M = 1 80.7 / 71.9 vs 76.9 / 74.6, M = 2 80.4 / 71.1
-#   vs 80.5 / 77.5, M = 4 80.7 / 70.8 vs 84.5 / 81.2, M = 8 80.5 / 71.7 vs 92.5 / 89.4.
-# - mxfp4 and int4 (bit path; through JAX, RESULTS.md round 10 B): the wgmma kernel
-#   steadily at 57.6-62.2 (mxfp4) and 64.1-65.6 (int4) at M = 1-8, the direct kernel
-#   57.3-62.0 / 62.6-67.1 in the rule rows but 63.9-73.9 / 67.0-72.4 as the same program
-#   timed first (the variation of round 7, not understood); M = 8: 62.2 / 59.1 vs 71.4 /
-#   62.9 (mxfp4), 64.5 / 64.2 vs 73.1 / 70.1 (int4). From M = 1. (Their table paths,
-#   mxfp4 with f16 x and int4 with other scale dtypes, were not measured apart: nf4's
-#   table decode above is 0-7% slower at M = 1 on the wgmma kernel, faster from M = 2.)
-# - one-level nvfp4 with f16 x and two-level nvfp4: 9 (not remeasured).
-_WGMMA_MIN_M = {"nvfp4": 9, "mxfp4": 1, "nf4": 2, "bnb_fp4": 2, "int4": 1}
-_WGMMA_MIN_M_FOLDED = 1
+# The wgmma kernel from M = 1 wherever it runs (tile_m = 8 up to M = 8, 16 up to 16); the
+# direct kernel only where it does not. Measured on an H100, 8192 x 28672 / 28672 x 8192,
+# wgmma (tile_m = 8) vs direct kernel (us; bench_matmul.py --rule-ms 1 8, RESULTS.md
+# round 11):
+# - bf16 x, M = 1: one-level nvfp4 59.7 / 58.5 vs 62.2 / 62.6; mxfp4 59.2 / 56.4 vs 58.7 /
+#   58.5; nf4 78.5 / 72.0 vs 78.3 / 76.6; bnb_fp4 78.6 / 72.4 vs 78.8 / 77.0; int4 62.3 /
+#   62.3 vs 62.8 / 63.1; two-level nvfp4 82.8 / 75.2 vs 83.7 / 81.7.
+# - f16 x, M = 1: nvfp4 67.1 / 61.8 vs 63.3 / 64.3 (the one mixed case; even summed over
+#   the two shapes); mxfp4 76.3 / 69.9 vs 80.8 / 77.7; nf4 78.9 / 72.4 vs 79.4 / 76.8;
+#   int4 62.2 / 63.9 vs 63.4 / 63.3.
+# - M = 8: the wgmma kernel as at M = 1, the direct kernel 67-100 us (f16 nvfp4 66.8 /
+#   62.2 vs 69.7 / 67.2, two-level nvfp4 82.6 / 75.8 vs 100.0 / 95.0).
 _FUSED_GEOMETRY = {"direct": (128, 256, 4, 1), "staged": (128, 128, 4, 2),
                    8: (128, 128, 2, 16), 16: (128, 128, 2, 16), 32: (128, 128, 2, 16),
                    64: (128, 128, 2, 16),
@@ -525,9 +517,9 @@ def _wave_fill(m, n, tile_m, splits, sms=None):
 _GRID_MIN_FILL = 0.5  # wmatmul_grid: the wave fill under which other grids are considered
 
 
-def wmatmul_grid(m, n, k, fmt, folded=False, wgmma=None, sms=None):
-    """(tile_m, K-splits) of the fused kernel for M rows of x and a (K, N) weight of format
-    `fmt`: wmatmul_tile_m's tile and wmatmul_splits' splits, unless that wgmma grid keeps
+def wmatmul_grid(m, n, k, wgmma=None, sms=None):
+    """(tile_m, K-splits) of the fused kernel for M rows of x and a (K, N) weight:
+    wmatmul_tile_m's tile and wmatmul_splits' splits, unless that wgmma grid keeps
     less than _GRID_MIN_FILL (half) of the GPU's CTA slots busy (weights of few 128-row
     tiles: on the Llama shapes 4096 x 4096 at M = 65-512, 14336 x 4096 at 150-512 and
     8192 x 8192 at 129-256). Then the splits may leave float32 partial sums of up to twice the codes' bytes, and a
@@ -535,7 +527,7 @@ def wmatmul_grid(m, n, k, fmt, folded=False, wgmma=None, sms=None):
     wins, then the one with fewer splits, then the larger tile. (H100, nvfp4, us: 4096 x 4096
     at M = 256, 32 CTAs of 256 rows, 48.4 -> 128 CTAs of 128 rows with 2 splits, 22.5, bf16
     dot 24.0; 14336 x 4096 at M = 256 139.6 -> 53.4; RESULTS.md round 8.)"""
-    tile = wmatmul_tile_m(m, fmt, wgmma=wgmma, folded=folded)
+    tile = wmatmul_tile_m(m, wgmma=wgmma)
     splits = wmatmul_splits(m, n, k, sms=sms, tile_m=tile)
     if tile == 0 or _wave_fill(m, n, tile, splits, sms) >= _GRID_MIN_FILL:
         return tile, splits
@@ -557,8 +549,7 @@ def fused_wmatmul_applies(avals_in, params):
     folded = wmatmul_folded(params["fmt"], x.dtype, params["two_level"])
     if params["fmt"] not in FUSED_FORMATS:
         return False
-    max_m = (wgmma_max_m(params["fmt"], folded) if wmatmul_tile_m(m, params["fmt"], folded=folded)
-             else FUSED_MAX_M)
+    max_m = wgmma_max_m(params["fmt"], folded) if wmatmul_tile_m(m) else FUSED_MAX_M
     return (np.dtype(x.dtype) in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
             and 1 <= m <= max_m
             and codes.shape[0] >= 1 and k % 32 == 0 and bs >= 16 and bs & (bs - 1) == 0)
@@ -614,13 +605,6 @@ def wmatmul_folded(fmt, x_dtype, two_level):
     return fmt == "nvfp4" and not two_level and np.dtype(x_dtype) == np.dtype(jnp.bfloat16)
 
 
-def wgmma_min_m(fmt, folded=False):
-    """The fewest rows of x for which the wgmma kernel runs (where available) for weight
-    format `fmt`: 1 where the decode is one multiply per pair (`folded`, wmatmul_folded),
-    else _WGMMA_MIN_M[fmt]."""
-    return _WGMMA_MIN_M_FOLDED if folded else _WGMMA_MIN_M[fmt]
-
-
 def wgmma_max_m(fmt, folded=False):
     """The most rows of x for which the wgmma kernel runs for weight format `fmt` (where
     available; beyond it, dequantize + dot): FUSED_MAX_M_WGMMA_FOLDED where the decode is
@@ -651,10 +635,11 @@ def wmatmul_cluster(fmt, m, tile_m):
     return 2 if tile_m == 256 and min_m is not None and m >= min_m else 1
 
 
-def wmatmul_tile_m(m, fmt, wgmma=None, folded=False):
-    """Activation rows per CTA of the wgmma kernel for M rows of x and weight format `fmt`
-    (0: the mma.sync kernels: M < wgmma_min_m(fmt, folded), or no wgmma)."""
-    if m < wgmma_min_m(fmt, folded) or not (wgmma_available() if wgmma is None else wgmma):
+def wmatmul_tile_m(m, wgmma=None):
+    """Activation rows per CTA of the wgmma kernel for M rows of x: 8, 16, 32, 64, 128 or
+    256, the smallest that holds M (256 beyond); 0 (the mma.sync kernels) where the wgmma
+    kernel cannot run (`wgmma`: whether it can; None: wgmma_available())."""
+    if not (wgmma_available() if wgmma is None else wgmma):
         return 0
     return 8 if m <= 8 else 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128 if m <= 128 else 256
 
@@ -681,7 +666,7 @@ def _wmatmul_fused(x, codes, scales, zeros, ts, *, fmt, block_size, two_level, o
     splits leave float32 partial sums that XLA adds and casts. A ragged last 256-row tile
     becomes a second launch (wmatmul_head_rows)."""
     m, k = x.shape
-    tile_m, splits = wmatmul_grid(m, codes.shape[0], k, fmt, wmatmul_folded(fmt, x.dtype, two_level))
+    tile_m, splits = wmatmul_grid(m, codes.shape[0], k)
     head = wmatmul_head_rows(m, codes.shape[0], k, tile_m)
     if head:
         part = functools.partial(_wmatmul_fused, codes=codes, scales=scales, zeros=zeros, ts=ts,

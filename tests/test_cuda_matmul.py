@@ -27,11 +27,9 @@ W_CASES = [
     ("int4", 32, {"scale_dtype": jnp.float32}, BF16),
     ("nvfp4", 16, {}, F16), ("nvfp4", 16, {"tensor_scale": "auto"}, F16), ("mxfp4", 32, {}, F16),
     ("int4", 64, {}, F16), ("int4", 16, {"scale_dtype": F16}, F16)]
-# (M, K, N): M = 1 and 4 (the direct kernel, or the wgmma kernel with tile_m = 8 for
-# mxfp4, int4 and one-level nvfp4 with bf16 x, and from M = 2 for nf4 and bnb_fp4; the
-# mma family runs the direct kernel at every M <= 16); 13, 17, 33, 100, 300 (wgmma kernel
-# with tile_m = 16, 32, 64, 128, 256, M ragged, two M tiles at 300; without wgmma: the direct kernel
-# at 13, the staged kernel above); K not a multiple of the 128/256-k steps; N not a
+# (M, K, N): M = 1, 4, 13, 17, 33, 100, 300 (the wgmma kernel with tile_m = 8, 8, 16, 32,
+# 64, 128, 256, M ragged, two M tiles at 300; without wgmma, the mma family: the direct
+# kernel up to 13, the staged kernel above); K not a multiple of the 128/256-k steps; N not a
 # multiple of 128 (at 300: three 128-row weight tiles, so the last 2-CTA cluster of the
 # BN = 256 kernel has a CTA wholly past N), and at 100 not a multiple of 4 either (the
 # wgmma epilogue's one-output-per-store path; the others take its four-output stores)
@@ -83,14 +81,6 @@ def _check(got, x, w, what, out_dtype=None):
                            f"rounding, e.g. got {got[bad][:4]} want {exact[bad][:4]}")
 
 
-def _folded(fmt, kw, dtype):
-    return primitives.wmatmul_folded(fmt, dtype, "tensor_scale" in kw)
-
-
-def _wgmma_min_m(fmt, kw, dtype):
-    return primitives.wgmma_min_m(fmt, _folded(fmt, kw, dtype))
-
-
 def _check_fused(fmt, bs, kw, dtype, m, k, n, family, rng, splits=None, cluster=None, w=None):
     """One fused matmul (float32 and x-dtype output) against the reference decode;
     `splits`, `cluster`: the K-splits and cluster CTAs the lowering must have chosen (None:
@@ -111,9 +101,9 @@ def _check_fused(fmt, bs, kw, dtype, m, k, n, family, rng, splits=None, cluster=
                                               preferred_element_type=jnp.float32))
     text = f32.lower(xg, qg).as_text()
     assert "jax_fp4_wmatmul_v2" in text, f"{fmt} M={m} K={k}: fused kernel not used"
-    want_tile = primitives.wmatmul_grid(m, n, k, fmt, _folded(fmt, kw, dtype))[0]
+    want_tile = primitives.wmatmul_grid(m, n, k)[0]
     assert f"tile_m = {want_tile} " in text, (m, want_tile)
-    assert (want_tile > 0) == (family == "wgmma" and m >= _wgmma_min_m(fmt, kw, dtype)), m
+    assert (want_tile > 0) == (family == "wgmma"), m
     if splits is not None:
         assert f"splits = {splits} " in text, (m, k, splits)
     if cluster is not None:
@@ -133,7 +123,7 @@ def _check_fused(fmt, bs, kw, dtype, m, k, n, family, rng, splits=None, cluster=
 @pytest.mark.parametrize("family", ["wgmma", "mma"])
 @pytest.mark.parametrize("fmt,bs,kw,dtype", W_CASES, ids=str)
 def test_fused_wmatmul_matches_reference(fmt, bs, kw, dtype, family, rng, monkeypatch):
-    """family: the kernels of this GPU (wgmma for M > 16 on an sm_90a build on Hopper) or
+    """family: the kernels of this GPU (wgmma at every M on an sm_90a build on Hopper) or
     the mma.sync kernels that other GPUs run (wgmma switched off)."""
     assert jf.capabilities()["kernels"]["cuda"], jf.capabilities()["load_error"]
     if family == "wgmma" and not primitives.wgmma_available():
@@ -142,8 +132,6 @@ def test_fused_wmatmul_matches_reference(fmt, bs, kw, dtype, family, rng, monkey
         monkeypatch.setattr(primitives, "wgmma_available", lambda: False)
     monkeypatch.setattr(primitives, "FUSED_MAX_M", 1 << 30)  # every M fused
     for m, k, n in SHAPES:
-        if family == "mma" and m < _wgmma_min_m(fmt, kw, dtype):
-            continue  # the same direct kernel as the wgmma family
         _check_fused(fmt, bs, kw, dtype, m, k, n, family, rng)
 
 
@@ -312,7 +300,7 @@ def test_fused_wgmma_padded_x_rows(m, k, n, rng, monkeypatch):
             f = jax.jit(lambda x, q: jf.dot_general(x, q, (((1,), (0,)), ((), ())),
                                                     preferred_element_type=jnp.float32))
             text = f.lower(x, q).as_text()
-            tile = primitives.wmatmul_tile_m(m, fmt, folded=fmt == "nvfp4")
+            tile = primitives.wmatmul_tile_m(m)
             assert f"tile_m = {tile} " in text and tile > 0 and m % tile != 0
             assert (f"tensor<{-(-m // tile) * tile}x" in text) == pad  # x's rows as passed
             outs.append(np.asarray(f(x, q)))
@@ -359,10 +347,9 @@ def test_fused_wgmma_grid_small_weights(fmt, bs, kw, dtype, rng, monkeypatch):
     if not primitives.wgmma_available():
         pytest.skip("the wgmma kernel needs a compute capability 9.0 GPU and an sm_90a build")
     monkeypatch.setattr(primitives, "_GRID_MIN_FILL", _GRID_MIN_FILL)
-    folded = _folded(fmt, kw, dtype)
     for m, k, n in ((256, 4096, 4096), (160, 2048, 4096)):
-        tile, splits = primitives.wmatmul_grid(m, n, k, fmt, folded)
-        plain = primitives.wmatmul_tile_m(m, fmt, folded=folded)
+        tile, splits = primitives.wmatmul_grid(m, n, k)
+        plain = primitives.wmatmul_tile_m(m)
         assert (tile, splits) != (plain, primitives.wmatmul_splits(m, n, k, tile_m=plain)), (m, k, n)
         _check_fused(fmt, bs, kw, dtype, m, k, n, "wgmma", rng, splits)
 

@@ -46,11 +46,9 @@ def test_scaled_matmul_bf16_decomposition_equals_reference(a_fmt, b_fmt, rng):
 def test_wmatmul_splits_rule(wgmma):
     """Waves >= 90% full on a 132-SM GPU, no empty split, bounded partial-sum bytes, for
     the mma.sync kernels and the wgmma kernel's tiles."""
-    # nvfp4 not folded: direct kernel to M = 8; folded: the wgmma kernel's 8-row tile
-    for m, folded in ((1, False), (16, False), (17, False), (33, False), (64, False), (65, False),
-                      (256, False), (1024, False), (1, True), (8, True)):
-        tile_m = primitives.wmatmul_tile_m(m, "nvfp4", wgmma=wgmma, folded=folded)
-        assert (tile_m > 0) == (wgmma and (m >= 9 or folded)) and (not tile_m or tile_m >= min(m, 256))
+    for m in (1, 8, 16, 17, 33, 64, 65, 256, 1024):
+        tile_m = primitives.wmatmul_tile_m(m, wgmma=wgmma)
+        assert (tile_m > 0) == wgmma and (not tile_m or tile_m >= min(m, 256))
         kind = tile_m or ("direct" if m <= 16 else "staged")
         rows, step, per_sm, min_steps = primitives._FUSED_GEOMETRY[kind]
         slots = per_sm * 132
@@ -77,19 +75,12 @@ def test_wmatmul_splits_rule(wgmma):
 
 
 def test_wmatmul_tile_rule():
-    """The wgmma kernel's tiles by M: from M = 1 for mxfp4 and int4, 2 for the table decode
-    (nf4, bnb_fp4), 9 for nvfp4, or from M = 1 where the decode is one multiply per pair
-    (one-level nvfp4 with bf16 x); tile_m = 8 up to M = 8, 16 up to M = 16."""
+    """The wgmma kernel's tiles by M, from M = 1 for every format: the smallest of 8, 16,
+    32, 64, 128, 256 rows that holds M; none (the mma.sync kernels) without wgmma."""
     tile = primitives.wmatmul_tile_m
-    assert [tile(m, "nvfp4", wgmma=True) for m in (1, 8, 9, 16, 17, 32, 33, 64, 65, 128, 129, 2048)] == \
-        [0, 0, 16, 16, 32, 32, 64, 64, 128, 128, 256, 256]
-    assert [tile(m, "nvfp4", wgmma=True, folded=True) for m in (1, 3, 4, 8, 9, 16, 17)] == \
-        [8] * 4 + [16, 16, 32]
-    assert tile(64, "nvfp4", wgmma=False, folded=True) == 0
-    for fmt, first in (("nf4", 2), ("bnb_fp4", 2), ("mxfp4", 1), ("int4", 1)):
-        assert [tile(m, fmt, wgmma=True) for m in (first - 1, first, 8, 9, 16, 17)] == \
-            [0, 8, 8, 16, 16, 32], fmt
-        assert tile(first, fmt, wgmma=False) == 0
+    assert [tile(m, wgmma=True) for m in (1, 3, 8, 9, 16, 17, 32, 33, 64, 65, 128, 129, 2048)] == \
+        [8, 8, 8, 16, 16, 32, 32, 64, 64, 128, 128, 256, 256]
+    assert tile(1, wgmma=False) == tile(64, wgmma=False) == 0
     folded = primitives.wmatmul_folded
     assert folded("nvfp4", jnp.bfloat16, 0)
     assert not folded("nvfp4", jnp.bfloat16, 1)  # two-level: the tensor scale is applied too
@@ -136,14 +127,16 @@ def test_wmatmul_grid_rule():
         (256, 28672, 8192): (256, 2),
         (1024, 8192, 28672): (256, 1),
         (16, 4096, 4096): (16, 2),  # 64 of 264, but no split of >= 16 steps more
-        (4, 4096, 4096): (0, primitives.wmatmul_splits(4, 4096, 4096, sms=132)),  # mma.sync
+        (4, 4096, 4096): (8, 2),  # as at 16
     }
     for (m, k, n), want in cases.items():
-        assert grid(m, n, k, "nvfp4", folded=m > 8, wgmma=True, sms=132) == want, (m, k, n)
+        assert grid(m, n, k, wgmma=True, sms=132) == want, (m, k, n)
+    m, k, n = 4, 4096, 4096  # without wgmma: the direct kernel's splits
+    assert grid(m, n, k, wgmma=False, sms=132) == (0, primitives.wmatmul_splits(m, n, k, sms=132))
     # the plain rule where the grid fills >= half
     for m, k, n in ((256, 8192, 28672), (64, 8192, 28672), (512, 8192, 8192)):
-        t = primitives.wmatmul_tile_m(m, "int4", wgmma=True)
-        assert grid(m, n, k, "int4", wgmma=True, sms=132) == (
+        t = primitives.wmatmul_tile_m(m, wgmma=True)
+        assert grid(m, n, k, wgmma=True, sms=132) == (
             t, primitives.wmatmul_splits(m, n, k, sms=132, tile_m=t)), (m, k, n)
 
 

@@ -845,7 +845,7 @@ __global__ void __launch_bounds__(kWarps * 32, 4) wmatmul_direct_kernel(
     store_tile<BF16, MT>(out, acc[rt], kAccScale<FMT, BF16, BITS>, n_warp + rt * 16, 0, g, t, p);
 }
 
-// ---- wgmma kernel (sm_90a; from which M per format: primitives._WGMMA_MIN_M) ----
+// ---- wgmma kernel (sm_90a; on Hopper from M = 1: primitives.wmatmul_tile_m) ----
 //
 // Warpgroup MMA with the weight as A from registers (decoded exactly as above) and the
 // activations as B from shared memory (Machete's arrangement on Hopper: the decoded
