@@ -11,7 +11,7 @@ RESULTS.md.
 
   python benchmarks/bench_matmul.py [--shapes 8192x28672 28672x8192] [--ms 1 16 64]
       [--formats nvfp4 mxfp4 nf4 int4] [--scaled 4096 8192] [--rule-ms 256 512 1024]
-      [--x-dtype float16] [--tensor-scale]
+      [--x-dtype float16] [--tensor-scale] [--fresh-x]
 """
 from __future__ import annotations
 
@@ -61,6 +61,12 @@ def timed(fn, args, r):
         return float("nan")
 
 
+def per_weight(op, nx):
+    """One jitted function applying op(x, w) to each weight of (*xs, *ws): the nx
+    activations in turn (nx = 1: one x shared by every weight)."""
+    return jax.jit(lambda *a: [op(a[i % nx], w) for i, w in enumerate(a[nx:])])
+
+
 def bench_w4a16(args, roof, rows):
     key = jax.random.key(0)
     for shape in args.shapes:
@@ -72,19 +78,22 @@ def bench_w4a16(args, roof, rows):
             {"tensor_scale": "auto"} if fmt == "nvfp4" and args.tensor_scale else {}))
             for w in ws] for fmt in args.formats}
         for m in args.ms:
-            x = jax.random.normal(jax.random.fold_in(key, 1000 + m), (m, k), args.x_dtype)
-            t_bf16 = timed(jax.jit(lambda x, *w: [x @ v for v in w]), (x, *ws), r)
+            # one x for all R weights (XLA lays it out for the wgmma kernel once), or with
+            # --fresh-x one per weight, as consecutive layers see: each pays its own layout
+            xs = [jax.random.normal(jax.random.fold_in(key, 1000 * m + i), (m, k), args.x_dtype)
+                  for i in range(r if args.fresh_x else 1)]
+            nx = len(xs)
+            t_bf16 = timed(per_weight(jnp.matmul, nx), (*xs, *ws), r)
             floor_bf16 = weight_bytes("bf16", k, n) / roof
             print(f"{shape:11s} M={m:5d} bf16 {t_bf16 * 1e6:9.1f} us", flush=True)
             for fmt in args.formats:
-                fn = jax.jit(lambda x, *q: [jf.matmul(x, v) for v in q])
-                t = timed(fn, (x, *qs[fmt]), r)
-                path = path_of(fn, (x, *qs[fmt]))
+                fn = per_weight(jf.matmul, nx)
+                t = timed(fn, (*xs, *qs[fmt]), r)
+                path = path_of(fn, (*xs, *qs[fmt]))
                 t_ref = float("nan")
                 if fmt in args.reference_formats and m in args.reference_ms:
                     jf.set_backend("reference")
-                    fn_ref = jax.jit(lambda x, *q: [jf.matmul(x, v) for v in q])
-                    t_ref = timed(fn_ref, (x, *qs[fmt]), r)
+                    t_ref = timed(per_weight(jf.matmul, nx), (*xs, *qs[fmt]), r)
                     jf.set_backend("auto")
                 floor = weight_bytes(fmt, k, n) / roof
                 rows.append((shape, m, fmt, path, t * 1e6, t_bf16 * 1e6, t_bf16 / t,
@@ -95,11 +104,11 @@ def bench_w4a16(args, roof, rows):
             # the size rule: the W4A16 paths side by side at this M, each forced
             if m in args.rule_ms:
                 for fmt in args.formats:
-                    bench_rule(shape, m, fmt, x, qs[fmt], r, t_bf16, rows)
+                    bench_rule(shape, m, fmt, xs, qs[fmt], r, t_bf16, rows)
         del ws, qs
 
 
-def bench_rule(shape, m, fmt, x, q, r, t_bf16, rows):
+def bench_rule(shape, m, fmt, xs, q, r, t_bf16, rows):
     """One format at one M on each W4A16 path: wgmma kernel, mma.sync kernel, dequantize
     + dot (rows labelled 'FMT (rule)')."""
     names = ("FUSED_MAX_M", "FUSED_MAX_M_WGMMA", "FUSED_MAX_M_WGMMA_FOLDED", "wgmma_available")
@@ -113,8 +122,7 @@ def bench_rule(shape, m, fmt, x, q, r, t_bf16, rows):
             primitives.FUSED_MAX_M = primitives.FUSED_MAX_M_WGMMA_FOLDED = limit
             primitives.FUSED_MAX_M_WGMMA = dict.fromkeys(primitives.FUSED_FORMATS, limit)
             primitives.wgmma_available = lambda wgmma=wgmma: wgmma
-            fn = jax.jit(lambda x, *q: [jf.matmul(x, v) for v in q])
-            t = timed(fn, (x, *q), r)
+            t = timed(per_weight(jf.matmul, len(xs)), (*xs, *q), r)
             rows.append((shape, m, f"{fmt} (rule)", label, t * 1e6, t_bf16 * 1e6,
                          t_bf16 / t, float("nan"), float("nan"), float("nan")))
             print(f"{shape:11s} M={m:5d} {fmt} rule {label:11s} {t * 1e6:9.1f} us "
@@ -170,6 +178,8 @@ def main(argv=None):
                     help="M = N = K sizes of the block-scaled matmul")
     ap.add_argument("--x-dtype", default="bfloat16", choices=["bfloat16", "float16"],
                     help="dtype of x and of the baseline's weights (W4A16)")
+    ap.add_argument("--fresh-x", action="store_true",
+                    help="a distinct x per weight (W4A16), so each call lays out its own x")
     ap.add_argument("--tensor-scale", action="store_true",
                     help="nvfp4 weights with their fp32 per-tensor scale (two-level)")
     ap.add_argument("--results", default=os.path.join(os.path.dirname(__file__), "RESULTS.md"))
@@ -184,7 +194,7 @@ def main(argv=None):
             f"GPU: {dev.device_kind}; jax {jax.__version__}; copy roof {roof / 1e9:.0f} GB/s. "
             "Device time per call = GPU kernel time (JAX profiler device trace, 5 calls) of one "
             "jitted function running the op on R distinct weights (together > L2), divided by "
-            f"R. x {args.x_dtype} (M, K); weight "
+            f"R. x {args.x_dtype} (M, K), {'one per weight' if args.fresh_x else 'one for all R'}; weight "
             "(K, N) blocked along K. 'ideal' = bf16 weight bytes / 4-bit weight + scale bytes; "
             "'% of floor' = (weight + scale bytes / copy roof) / time.\n\n")
     table = ("| K x N | M | weight | path | time (us) | bf16 dot (us) | x vs bf16 | ideal x | "
