@@ -443,9 +443,9 @@ FUSED_MAX_M_WGMMA_FOLDED = 4096
 _FUSED_TARGET = "jax_fp4_wmatmul_v2"
 # (rows per CTA, k per super-step, resident CTAs per SM, fewest super-steps per split) of
 # the direct kernel (M <= 16), the staged kernel and the wgmma kernel by tile_m
-# (csrc/cuda/wmatmul.cu). The wgmma kernel splits K only into runs of >= 16 steps: a
-# sweep (S = 1, 2, 4, 7) at M = 32-128 on the two shapes above was fastest at the
-# smallest S that fills the GPU.
+# (csrc/cuda/wmatmul.cu). The wgmma kernel splits K into runs of >= 16 steps: a sweep (S
+# = 1, 2, 4, 7) at M = 32-128 on the two shapes above was fastest at the smallest S that
+# fills the GPU (weights of few tiles: >= _GRID_MIN_STEPS, wmatmul_grid).
 _FUSED_DIRECT_MAX_M = 16
 # The wgmma kernel from M = 1 wherever it runs (tile_m = 8 up to M = 8, 16 up to 16); the
 # direct kernel only where it does not. Measured on an H100, 8192 x 28672 / 28672 x 8192,
@@ -479,18 +479,20 @@ def _fill(items, slots):
     return items / (-(-items // slots) * slots)
 
 
-def wmatmul_splits(m, n, k, sms=None, tile_m=0, partials=0.25):
+def wmatmul_splits(m, n, k, sms=None, tile_m=0, partials=0.25, min_steps=None, per_sm=None):
     """K-splits S of the fused kernel (grid = ceil(N / rows) x M-chunks x S CTAs).
 
-    The smallest S whose CTAs fill their waves to >= 90% of the resident slots, with no
-    empty split, at least 1 (direct kernel), 2 (staged) or 16 (wgmma) super-steps per split
-    and the float32 partial sums (S x M x N x 4 bytes) at most `partials` times the 4-bit
-    codes' bytes; if none, the S of best wave efficiency. (Measured on an H100 with 3 CTAs
-    per SM, nvfp4 M = 1, 28672 x 8192: S = 6, 0.97 of a wave, 58.6 us; S = 11, 1.78 waves,
-    64.9 us.)"""
+    The smallest S whose CTAs fill their waves to >= 90% of the resident slots (`per_sm`
+    per SM, default the kernel's), with no empty split, at least `min_steps` super-steps
+    per split (default 1 for the direct kernel, 2 staged, 16 wgmma) and the float32 partial
+    sums (S x M x N x 4 bytes) at most `partials` times the 4-bit codes' bytes; if none, the
+    S of best wave efficiency. (Measured on an H100 with 3 CTAs per SM, nvfp4 M = 1, 28672
+    x 8192: S = 6, 0.97 of a wave, 58.6 us; S = 11, 1.78 waves, 64.9 us.)"""
     direct = m <= _FUSED_DIRECT_MAX_M
     kind = tile_m or ("direct" if direct else "staged")
-    rows, step, per_sm, min_steps = _FUSED_GEOMETRY[kind]
+    rows, step, kernel_per_sm, default_min_steps = _FUSED_GEOMETRY[kind]
+    per_sm = per_sm or kernel_per_sm
+    min_steps = min_steps or default_min_steps
     slots = per_sm * (sms or _sm_count())
     n_steps = -(-k // step)
     m_tile = tile_m or (m if direct else 64)
@@ -515,25 +517,33 @@ def _wave_fill(m, n, tile_m, splits, sms=None):
 
 
 _GRID_MIN_FILL = 0.5  # wmatmul_grid: the wave fill under which other grids are considered
+_GRID_MIN_STEPS = 2  # ... and the fewest 128-k steps per K-split they may have
 
 
 def wmatmul_grid(m, n, k, wgmma=None, sms=None):
     """(tile_m, K-splits) of the fused kernel for M rows of x and a (K, N) weight:
     wmatmul_tile_m's tile and wmatmul_splits' splits, unless that wgmma grid keeps
     less than _GRID_MIN_FILL (half) of the GPU's CTA slots busy (weights of few 128-row
-    tiles: on the Llama shapes 4096 x 4096 at M = 65-512, 14336 x 4096 at 150-512 and
-    8192 x 8192 at 129-256). Then the splits may leave float32 partial sums of up to twice the codes' bytes, and a
-    256-row tile may become 128-row tiles: the grid that fills most of a wave (_wave_fill)
-    wins, then the one with fewer splits, then the larger tile. (H100, nvfp4, us: 4096 x 4096
-    at M = 256, 32 CTAs of 256 rows, 48.4 -> 128 CTAs of 128 rows with 2 splits, 22.5, bf16
-    dot 24.0; 14336 x 4096 at M = 256 139.6 -> 53.4; RESULTS.md round 8.)"""
+    tiles: on the Llama shapes 4096 x 4096 at M <= 512, 14336 x 4096 at 150-512, 8192 x
+    8192 at 129-256, the K / V projections 4096 x 1024 and 8192 x 1024 at every M). Then
+    the splits may leave float32 partial sums of up to twice the codes' bytes and be as
+    short as _GRID_MIN_STEPS steps, and aim at one CTA per SM (the kernels of two CTAs per
+    SM too: at a few steps per split the second CTA on an SM did not pay), and a 256-row
+    tile may become 128-row tiles: the grid that fills most of a wave (_wave_fill) wins,
+    then the one with fewer splits, then the larger tile. (H100, nvfp4, us: 4096 x 4096 at
+    M = 256, 32 CTAs of 256 rows, 48.4 -> 128 CTAs of 128 rows with 2 splits, 22.5, bf16
+    dot 24.0; 14336 x 4096 at M = 256 139.6 -> 53.4; RESULTS.md round 8. At M = 1 / 16 /
+    64, 4096 x 4096: 2 splits 12.6 / 13.4 / 15.3, 4 splits 8.9 / 9.7 / 12.0, 8 splits 9.0
+    / 9.9 / 13.9, bf16 dot 13.3 / 14.3 / 17.8; 4096 x 1024 at M = 1 / 16: 2 splits 11.9 /
+    12.9, 16 splits 5.2 / 5.7, bf16 19.3 / 10.7; RESULTS.md round 12.)"""
     tile = wmatmul_tile_m(m, wgmma=wgmma)
     splits = wmatmul_splits(m, n, k, sms=sms, tile_m=tile)
     if tile == 0 or _wave_fill(m, n, tile, splits, sms) >= _GRID_MIN_FILL:
         return tile, splits
     best = None
     for t in ((256, 128) if tile == 256 else (tile,)):
-        s = wmatmul_splits(m, n, k, sms=sms, tile_m=t, partials=2.0)
+        s = wmatmul_splits(m, n, k, sms=sms, tile_m=t, partials=2.0, min_steps=_GRID_MIN_STEPS,
+                           per_sm=1)
         key = (round(_wave_fill(m, n, t, s, sms), 2), -s, t)
         best = max(best or key, key)
     return best[2], -best[1]

@@ -340,14 +340,15 @@ def test_fused_wgmma_ragged_last_tile(fmt, bs, kw, dtype, rng, monkeypatch):
 
 # wmatmul_grid on weights of 32 128-row tiles: at M = 256 and K = 4096 the plain rule runs
 # 32 CTAs of 256 rows (a quarter of an H100's SMs), the grid 128-row tiles in 2 K-splits;
-# at M = 160, K = 2048 128-row tiles without splits.
+# at M = 160, K = 2048 128-row tiles without splits; at M = 13 4 K-splits of 8 steps. On 8
+# tiles (N = 1024) at M = 1, 16 K-splits of 2 steps.
 @pytest.mark.parametrize("fmt,bs,kw,dtype", [W_CASES[0], W_CASES[3], W_CASES[6]], ids=str)
 def test_fused_wgmma_grid_small_weights(fmt, bs, kw, dtype, rng, monkeypatch):
     assert jf.capabilities()["kernels"]["cuda"], jf.capabilities()["load_error"]
     if not primitives.wgmma_available():
         pytest.skip("the wgmma kernel needs a compute capability 9.0 GPU and an sm_90a build")
     monkeypatch.setattr(primitives, "_GRID_MIN_FILL", _GRID_MIN_FILL)
-    for m, k, n in ((256, 4096, 4096), (160, 2048, 4096)):
+    for m, k, n in ((256, 4096, 4096), (160, 2048, 4096), (13, 4096, 4096), (1, 4096, 1024)):
         tile, splits = primitives.wmatmul_grid(m, n, k)
         plain = primitives.wmatmul_tile_m(m)
         assert (tile, splits) != (plain, primitives.wmatmul_splits(m, n, k, tile_m=plain)), (m, k, n)

@@ -111,14 +111,14 @@ def test_wmatmul_head_rows_rule():
 
 def test_wmatmul_grid_rule():
     """Where the plain wgmma grid keeps under half of the CTA slots busy (132 SMs; 1 CTA per
-    SM at tile_m 128 / 256), the grid that fills most of a wave with partial sums of up to
-    twice the codes' bytes: then fewer splits, then the larger tile. Elsewhere the plain
-    tile and splits."""
+    SM at tile_m 128 / 256), the grid that fills most of a wave of one CTA per SM with
+    partial sums of up to twice the codes' bytes and splits of >= 2 steps: then fewer
+    splits, then the larger tile. Elsewhere the plain tile and splits."""
     grid = primitives.wmatmul_grid
     cases = {  # (M, K, N): the grid's (tile_m, splits); H100 times in RESULTS.md round 8 C
         (256, 4096, 4096): (128, 2),  # 32 CTAs -> 128
         (512, 4096, 4096): (128, 1),  # 64 -> 128, no splits (t256 s2 fills as much)
-        (128, 4096, 4096): (128, 2),  # 32 -> 64: the best there is
+        (128, 4096, 4096): (128, 4),  # 32 -> 128
         (300, 4096, 4096): (256, 2),  # 64 -> 128 (t128: 96 or 192 of 132 / 264)
         (256, 14336, 4096): (128, 2),
         (160, 14336, 4096): (128, 2),  # was t256 s2: 64 CTAs
@@ -126,8 +126,12 @@ def test_wmatmul_grid_rule():
         (256, 8192, 28672): (256, 1),  # 224 of 264 slots: plain
         (256, 28672, 8192): (256, 2),
         (1024, 8192, 28672): (256, 1),
-        (16, 4096, 4096): (16, 2),  # 64 of 264, but no split of >= 16 steps more
-        (4, 4096, 4096): (8, 2),  # as at 16
+        (16, 4096, 4096): (16, 4),  # 64 of 264 -> 128 CTAs of 8 steps, one per SM
+        (4, 4096, 4096): (8, 4),  # as at 16 (8 K-splits, two per SM, were not faster)
+        (1, 4096, 1024): (8, 16),  # 8 tiles -> 128 CTAs of 2 steps
+        (64, 4096, 1024): (64, 16),
+        (1, 8192, 1024): (8, 16),
+        (1, 14336, 4096): (8, 7),  # 224 of 264 slots: plain
     }
     for (m, k, n), want in cases.items():
         assert grid(m, n, k, wgmma=True, sms=132) == want, (m, k, n)
