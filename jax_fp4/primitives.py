@@ -443,9 +443,11 @@ FUSED_MAX_M_WGMMA_FOLDED = 4096
 _FUSED_TARGET = "jax_fp4_wmatmul_v2"
 # (rows per CTA, k per super-step, resident CTAs per SM, fewest super-steps per split) of
 # the direct kernel (M <= 16), the staged kernel and the wgmma kernel by tile_m
-# (csrc/cuda/wmatmul.cu). The wgmma kernel splits K into runs of >= 16 steps: a sweep (S
+# (csrc/cuda/wmatmul.cu). The wgmma kernel splits K into runs of >= 12 steps: a sweep (S
 # = 1, 2, 4, 7) at M = 32-128 on the two shapes above was fastest at the smallest S that
-# fills the GPU (weights of few tiles: >= _GRID_MIN_STEPS, wmatmul_grid).
+# fills the GPU, and 14336 x 4096 at M <= 16 8 splits of 14 steps (one wave of 256 CTAs)
+# 5% faster than 7 of 16 (RESULTS.md round 12 A); weights of few tiles: >= _GRID_MIN_STEPS
+# (wmatmul_grid).
 _FUSED_DIRECT_MAX_M = 16
 # The wgmma kernel from M = 1 wherever it runs (tile_m = 8 up to M = 8, 16 up to 16); the
 # direct kernel only where it does not. Measured on an H100, 8192 x 28672 / 28672 x 8192,
@@ -460,9 +462,9 @@ _FUSED_DIRECT_MAX_M = 16
 # - M = 8: the wgmma kernel as at M = 1, the direct kernel 67-100 us (f16 nvfp4 66.8 /
 #   62.2 vs 69.7 / 67.2, two-level nvfp4 82.6 / 75.8 vs 100.0 / 95.0).
 _FUSED_GEOMETRY = {"direct": (128, 256, 4, 1), "staged": (128, 128, 4, 2),
-                   8: (128, 128, 2, 16), 16: (128, 128, 2, 16), 32: (128, 128, 2, 16),
-                   64: (128, 128, 2, 16),
-                   128: (128, 128, 1, 16), 256: (128, 128, 1, 16)}
+                   8: (128, 128, 2, 12), 16: (128, 128, 2, 12), 32: (128, 128, 2, 12),
+                   64: (128, 128, 2, 12),
+                   128: (128, 128, 1, 12), 256: (128, 128, 1, 12)}
 
 
 def _sm_count():
@@ -484,7 +486,7 @@ def wmatmul_splits(m, n, k, sms=None, tile_m=0, partials=0.25, min_steps=None, p
 
     The smallest S whose CTAs fill their waves to >= 90% of the resident slots (`per_sm`
     per SM, default the kernel's), with no empty split, at least `min_steps` super-steps
-    per split (default 1 for the direct kernel, 2 staged, 16 wgmma) and the float32 partial
+    per split (default 1 for the direct kernel, 2 staged, 12 wgmma) and the float32 partial
     sums (S x M x N x 4 bytes) at most `partials` times the 4-bit codes' bytes; if none, the
     S of best wave efficiency. (Measured on an H100 with 3 CTAs per SM, nvfp4 M = 1, 28672
     x 8192: S = 6, 0.97 of a wave, 58.6 us; S = 11, 1.78 waves, 64.9 us.)"""

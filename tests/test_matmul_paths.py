@@ -131,7 +131,7 @@ def test_wmatmul_grid_rule():
         (1, 4096, 1024): (8, 16),  # 8 tiles -> 128 CTAs of 2 steps
         (64, 4096, 1024): (64, 16),
         (1, 8192, 1024): (8, 16),
-        (1, 14336, 4096): (8, 7),  # 224 of 264 slots: plain
+        (1, 14336, 4096): (8, 8),  # 256 of 264 slots: plain (8 splits of 14 steps)
     }
     for (m, k, n), want in cases.items():
         assert grid(m, n, k, wgmma=True, sms=132) == want, (m, k, n)
