@@ -51,8 +51,8 @@ def main(argv=None):
             for fmt in args.formats:
                 qs = [jf.quantize(w, fmt, axis=0) for w in ws]
                 for s in args.splits:
-                    if s > steps or -(-steps // -(-steps // s)) != s:
-                        continue  # an empty split: the kernel splits K in whole steps
+                    if s > steps or not primitives.splits_fill_steps(steps, s):
+                        continue
                     primitives.wmatmul_grid = lambda *a, s=s, **kw: (rule(*a, **kw)[0], s)
                     try:
                         t = timed(per_weight(jf.matmul, 1), (x, *qs), r)

@@ -481,6 +481,12 @@ def _fill(items, slots):
     return items / (-(-items // slots) * slots)
 
 
+def splits_fill_steps(n_steps, splits):
+    """Whether `splits` K-splits of ceil(n_steps / splits) whole steps each leave none of
+    them empty (the kernels split K in whole super-steps)."""
+    return -(-n_steps // -(-n_steps // splits)) == splits
+
+
 def wmatmul_splits(m, n, k, sms=None, tile_m=0, partials=0.25, min_steps=None, per_sm=None):
     """K-splits S of the fused kernel (grid = ceil(N / rows) x M-chunks x S CTAs).
 
@@ -501,8 +507,8 @@ def wmatmul_splits(m, n, k, sms=None, tile_m=0, partials=0.25, min_steps=None, p
     ctas = -(-n // rows) * -(-m // m_tile)
     best, best_eff = 1, 0.0
     for s in range(1, max(1, min(n_steps // min_steps, int(partials * k / (8 * m)))) + 1):
-        if -(-n_steps // -(-n_steps // s)) != s:
-            continue  # some splits would be empty (the kernel splits K in whole super-steps)
+        if not splits_fill_steps(n_steps, s):
+            continue
         eff = _fill(ctas * s, slots)
         if eff >= 0.9:
             return s
