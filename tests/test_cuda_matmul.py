@@ -170,7 +170,9 @@ def test_fused_mxfp4_scale_ranges(family, rng, monkeypatch):
 # big-shape benchmarks run S = 2-16. Forced here:
 # K = 1056 is 9 steps of 128, so S = 2 / 4 / 5 split them 5+4 / 3+3+3+0 (an empty split)
 # / 2+2+2+2+1, at each tile width (BN = 8 / 16 / 32 / 64 / 128 refilled by thread 0, 256 by
-# the producer warpgroup) and through the bit and table decode paths.
+# the producer warpgroup) and through the bit and table decode paths. The nvfp4 / mxfp4 bit
+# path at BN <= 32 stages two steps at a time (wg_sub), so a split of an odd step count
+# copies one step past its end (the next split's, or zeros past K) that it must not use.
 @pytest.mark.parametrize("splits", [2, 4, 5])
 @pytest.mark.parametrize("fmt,bs,kw,dtype", [W_CASES[0], W_CASES[1], W_CASES[3], W_CASES[7]],
                          ids=str)
@@ -185,9 +187,9 @@ def test_fused_wgmma_k_splits(fmt, bs, kw, dtype, splits, rng, monkeypatch):
 
 
 # The wgmma kernel takes the block scales (and INT4 zero points) by TMA with each stage
-# (scale boxes) where the scale rows are 16-byte multiples and wg_boxes allows (not nvfp4,
-# whose lanes load the scales; the other formats at BN = 8, 16, 32, 128 and, where two CTAs
-# per SM still fit, 64); the shapes above mostly do not qualify (K / block_size scale bytes per row), so
+# (scale boxes) where the scale rows are 16-byte multiples and wg_boxes allows (nvfp4 at BN
+# = 8, 16, 32, where its stages hold two steps; the other formats at BN = 8, 16, 32, 128 and,
+# where two CTAs per SM still fit, 64); the shapes above mostly do not qualify (K / block_size scale bytes per row), so
 # they test the lanes' scale loads. K = 2048 qualifies for every format here (M = 5, 13, 17,
 # 33, 100: BN = 8, 16, 32, 64, 128); N = 200 leaves rows past N in the last CTA's boxes;
 # S = 3 starts two splits mid-row.

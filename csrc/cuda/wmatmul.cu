@@ -870,7 +870,9 @@ __global__ void __launch_bounds__(kWarps * 32, 4) wmatmul_direct_kernel(
 // and the group before it done, the warp is done with step s - 1 and arrives on that
 // stage's `empty` mbarrier; the stage is refilled with step s - 1 + stages once all eight
 // have (no CTA barrier: the warpgroups drift apart, and the copies run up to stages - 1
-// steps ahead). Who refills (wg_producer<BN>, chosen by measurement):
+// steps ahead). A stage may hold wg_sub<FMT, BITS, BN> = 2 consecutive steps, one half
+// each, filled by one `full` barrier and released once, after the first group of its
+// successor's first step. Who refills (wg_producer<BN>, chosen by measurement):
 //  - BN <= 128: thread 0, between its own wgmma groups (M = 16..128: 4-14% faster than a
 //    CTA barrier per step; a producer warpgroup was 3-10% slower at BN = 128).
 //  - BN = 256: a third, producer warpgroup (CUTLASS's warp-specialized kernels): one
@@ -905,14 +907,8 @@ constexpr int kWgStepK = 128;  // k per step
 constexpr int kWgGroupM = 8;   // CTA raster: kWgGroupM activation tiles per weight tile run
 constexpr int kOutStride = kWgRows + 4;  // epilogue floats per activation row (no conflicts)
 
-// 4 stages where they fit, else 3: at BN = 256, and at BN = 64 for the table path and
-// INT4, whose 16 table copies (wg_copies) or scale and zero-point boxes (wg_boxes) fit
-// beside 3 stages at two CTAs per SM, not beside 4 (harness, H100, M = 64: nf4 141 -> 94
-// us, int4 90 -> 75-79 us; benchmarks/NOTES.md round 7)
-template <int FMT, bool BITS, int BN>
-__host__ __device__ constexpr int wg_stages() {
-  return BN >= 256 || (BN == 64 && (!BITS || FMT == kINT4)) ? 3 : 4;
-}
+// 128-k steps per stage (wg_sub) and stages (wg_stages) are defined below wg_words.
+
 // steps of weight chunks loaded ahead: 2 where the registers allow (M = 16: 5-8% faster
 // than 1; without the .L2::128B line prefetch, 2-4 were no faster)
 template <int BN>
@@ -942,6 +938,23 @@ __host__ __device__ constexpr int wg_copies() {
 }
 template <int BN>  // code words (of each of a lane's two rows) decoded per wgmma group:
 __host__ __device__ constexpr int wg_words() { return BN >= 256 ? 1 : 2; }
+// 128-k steps per stage: 2 for the nvfp4 / mxfp4 bit path at BN <= 32, else 1. A stage
+// of two steps is waited for, released and refilled once, and holds twice the steps
+// ahead (8 at BN = 8, 6 at BN = 16 / 32). Through JAX on the H100, 8192 x 28672 / 28672 x
+// 8192: mxfp4 M = 1 59.4 / 56.5 -> 55.2 / 54.2 us, M = 16 63.1 / 60.5 -> 58.4 / 55.8; nvfp4
+// (with its scale boxes, wg_boxes) M = 16 61.5 / 60.2 -> 59.9 / 58.7, M = 1 equal
+// (benchmarks/NOTES.md round 13). INT4 (zero-point boxes: no room for 4 stages of two) was
+// 2-10% slower, the table path equal.
+template <int FMT, bool BITS, int BN>
+__host__ __device__ constexpr int wg_sub() { return BITS && FMT != kINT4 && BN <= 32 ? 2 : 1; }
+// 4 stages where they fit, else 3: at BN = 256; at BN = 64 for the table path and INT4,
+// whose 16 table copies (wg_copies) or scale and zero-point boxes (wg_boxes) fit beside
+// 3 stages at two CTAs per SM, not beside 4 (harness, H100, M = 64: nf4 141 -> 94 us, int4
+// 90 -> 75-79 us; benchmarks/NOTES.md round 7); and for stages of two steps at BN >= 16.
+template <int FMT, bool BITS, int BN>
+__host__ __device__ constexpr int wg_stages() {
+  return BN >= 256 || (BN == 64 && (!BITS || FMT == kINT4)) || (wg_sub<FMT, BITS, BN>() > 1 && BN >= 16) ? 3 : 4;
+}
 // L2 cache policies (CUTLASS's CacheHintSm90): the activations, which every CTA re-reads,
 // stay; the weight codes, read once, go first
 constexpr uint64_t kEvictFirst = 0x12F0000000000000ull;
@@ -965,20 +978,22 @@ __host__ __device__ constexpr int wg_smem_for(int stage_bytes) {
                      (wg_copies<FMT, BN>() == kLaneTable ? kLaneTableAlign - 1024 : 0));
 }
 // Whether the stages carry the scale boxes (see Pipeline below): BN <= 128 (BN = 256 is
-// bound by the tensor cores, and its three stages fill the SM), not for nvfp4 (its one
-// 2-byte lane load per row and step was faster: 61 vs 65 us at M = 16 and equal at M = 64
-// through JAX, 8192x28672; mxfp4 and int4 gain 7-27% from the boxes, benchmarks/NOTES.md
-// round 4), and only where the boxes do not cost a CTA per SM (228 KB per SM, 1 KB
-// reserved per CTA, the barriers static).
+// bound by the tensor cores, and its three stages fill the SM), for nvfp4 only at BN <= 32
+// with stages of two steps (round 4 found its one 2-byte lane load per row and step faster
+// at M = 16 and equal at M = 64; in round 13 the lane loads, 2 steps ahead, held 11% of
+// the stall samples at M = 1, and the boxes with wg_sub took M = 16 2.5% faster through
+// JAX, M = 1 equal; mxfp4 and int4 gain 7-27% from the boxes, round 4),
+// and only where the boxes do not cost a CTA per SM (228 KB per SM, 1 KB reserved per CTA,
+// the barriers static).
 template <int FMT, bool BITS, int BN>
 __host__ __device__ constexpr bool wg_boxes() {
-  return BN <= 128 && FMT != kNVFP4 &&
-         wg_ctas<BN>() * (wg_smem_for<FMT, BN, BITS>(wg_x_bytes<BN>() + kWgCodeBytes + wg_side_bytes<FMT>()) +
+  return BN <= 128 && (FMT != kNVFP4 || BN <= 32) &&
+         wg_ctas<BN>() * (wg_smem_for<FMT, BN, BITS>(wg_sub<FMT, BITS, BN>() * (wg_x_bytes<BN>() + kWgCodeBytes + wg_side_bytes<FMT>())) +
                           1024 + 2 * wg_stages<FMT, BITS, BN>() * 8) <= 228 * 1024;
 }
 template <int FMT, bool BITS, int BN>  // stage = [activation tile | weight codes | boxes]
 __host__ __device__ constexpr int wg_stage_bytes() {
-  return wg_x_bytes<BN>() + kWgCodeBytes + (wg_boxes<FMT, BITS, BN>() ? wg_side_bytes<FMT>() : 0);
+  return wg_sub<FMT, BITS, BN>() * (wg_x_bytes<BN>() + kWgCodeBytes + (wg_boxes<FMT, BITS, BN>() ? wg_side_bytes<FMT>() : 0));
 }
 template <int FMT, bool BITS, int BN>
 __host__ __device__ constexpr int wg_smem_bytes() {
@@ -1047,6 +1062,7 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
   constexpr bool kProducer = wg_producer<BN>();
   constexpr int kWords = wg_words<BN>();
   constexpr int kStage = wg_stage_bytes<FMT, BITS, BN>();
+  constexpr int kSub = wg_sub<FMT, BITS, BN>(), kHalf = kStage / kSub;  // steps per stage, bytes per step
   constexpr int kPipe = kStages * kStage;
   // the scale boxes come with the stages (launch_wgmma: where the scale rows allow)
   const bool boxes = wg_boxes<FMT, BITS, BN>() && p.scale_boxes;
@@ -1110,14 +1126,12 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
 
   // a step's activation tile (two 64-k boxes), weight codes (128 rows x 64 bytes) and
   // scale / zero-point boxes (128 rows x the 16 aligned bytes that hold the step's blocks:
-  // a box must start on a 16-byte boundary), zero past M, N and K -> stage j, arriving on
-  // full[j]; one thread issues it. In a cluster of two, CTA r copies box r of the
-  // activation tile into stage j of both CTAs (TMA multicast, arriving on each one's
+  // a box must start on a 16-byte boundary), zero past M, N and K -> half h of stage j,
+  // arriving on full[j]; one thread issues it. In a cluster of two, CTA r copies box r of
+  // the activation tile into stage j of both CTAs (TMA multicast, arriving on each one's
   // full[j]): the pair reads the tile from L2 once.
-  auto stage_step = [&](int step, uint32_t j) {
-    const uint32_t bar = full_addr + 8 * j, dst = smem_addr + j * kStage;
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n"
-                 ::"r"(bar), "r"(boxes ? kStage : wg_x_bytes<BN>() + kWgCodeBytes) : "memory");
+  auto copy_step = [&](int step, uint32_t j, int h) {
+    const uint32_t bar = full_addr + 8 * j, dst = smem_addr + j * kStage + h * kHalf;
     auto copy = [&](uint32_t to, const CUtensorMap* map, int c0, int c1, uint64_t hint) {
       asm volatile(
           "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
@@ -1144,6 +1158,15 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
         if constexpr (FMT == kINT4) copy(side + kWgBoxBytes, &z_map, b0 & ~15, n, kEvictNormal);
       }
     }
+  };
+  // stage j <- the kSub steps from step0 (a step past the split's end is copied, the next
+  // split's or zeros past K, and not used)
+  auto stage_step = [&](int step0, uint32_t j) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n"
+                 ::"r"(full_addr + 8 * j), "r"(kSub * (boxes ? kHalf : wg_x_bytes<BN>() + kWgCodeBytes))
+                 : "memory");
+#pragma unroll
+    for (int h = 0; h < kSub; ++h) copy_step(step0 + h, j, h);
   };
   // The lane's two rows (g, g + 8) with their scale / zero-point row addresses pinned in
   // registers: otherwise the compiler recomputes the 64-bit row addresses every step.
@@ -1190,7 +1213,7 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
         uint32_t peer_pair = 0;  // the other CTA's pair barriers
         if (ncl > 1)
           asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(peer_pair) : "r"(pair_addr), "r"(rank ^ 1u));
-        for (int step = step_begin; step < step_end; ++step) {
+        for (int step = step_begin; step < step_end; step += kSub) {
           if (use > 0) {
             mbar_wait(empty_addr + 8 * j, (use - 1) & 1u);
             // In a cluster the copies write stage j of both CTAs: pass the release on to
@@ -1217,11 +1240,12 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kWgConsumerRegs));
   } else if (tid == 0) {
     for (int i = 0; i < kStages; ++i)
-      if (step_begin + i < step_end) stage_step(step_begin + i, i);
+      if (step_begin + kSub * i < step_end) stage_step(step_begin + kSub * i, i);
   }
   // the scales of the next kDepth steps, in a ring indexed at compile time (the step loop
   // is unrolled kDepth times, so no register move waits on a load early)
   constexpr int kDepth = wg_depth<BN>();
+  static_assert(kDepth % kSub == 0, "the step loop's unroll must cover whole stages");
   Chunk ring[kDepth][2];
 #pragma unroll
   for (int i = 0; i < kDepth; ++i)
@@ -1244,13 +1268,14 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
     if (!boxes && step + kDepth < step_end) load_step(ring[u], step + kDepth);
     // descriptor of the stage; a k16 slice adds its byte offset / 16 to the address field
     // (addresses stay below 2^18, so the 14-bit field never carries)
-    const uint64_t desc = desc0 + js * (kStage >> 4);
-    mbar_wait(full_addr + 8 * js, par);
+    const int h_off = (u % kSub) * kHalf;  // the step's half of the stage
+    const uint64_t desc = desc0 + js * (kStage >> 4) + (h_off >> 4);
+    if (u % kSub == 0) mbar_wait(full_addr + 8 * js, par);
     if constexpr (wg_boxes<FMT, BITS, BN>()) {
       if (boxes) {  // the step's first block sits at byte b0 * size % 16 of its box row
         const int b0 = (step * kWgStepK) >> p.bs_shift;
-        const uint8_t* sb = sb0 + js * kStage + ((b0 * scale_bytes<FMT>(p)) & 15);
-        const uint8_t* zb = sb0 + js * kStage + kWgBoxBytes + (b0 & 15);
+        const uint8_t* sb = sb0 + js * kStage + h_off + ((b0 * scale_bytes<FMT>(p)) & 15);
+        const uint8_t* zb = sb0 + js * kStage + h_off + kWgBoxBytes + (b0 & 15);
 #pragma unroll
         for (int h = 0; h < 2; ++h)
           chunk_scales<FMT, BITS>(
@@ -1266,7 +1291,7 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
     for (int h = 0; h < 2; ++h) make_decs<FMT, BF16, BITS>(cur[h], tsv[0][h], p, d[h]);
     // the lane's code chunks: rows wrow and wrow + 8, k [32 t, 32 t + 32) (a warp reads 512
     // contiguous bytes: no bank conflicts)
-    const uint8_t* wc = wc0 + js * kStage;
+    const uint8_t* wc = wc0 + js * kStage + h_off;
 #pragma unroll
     for (int h = 0; h < 2; ++h) cur[h].q = *reinterpret_cast<const uint4*>(wc + h * 8 * 64);
     // groups of kWords code words: decode them (A of 2 kWords wgmmas), issue the
@@ -1312,19 +1337,19 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
       }
       wgmma_commit();
       wgmma_wait<1>();
-      if (w0 == 0 && step > step_begin) {
+      if (w0 == 0 && u % kSub == 0 && step > step_begin) {
         // this warp is done with step - 1 (only the group just issued is in flight):
         // release its stage; thread 0 (or the producer warpgroup) refills it once every warp has
         const uint32_t jp = js ? js - 1 : kStages - 1, pp = js ? par : par ^ 1u;
         if (lane == 0)
           asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n"::"r"(empty_addr + 8 * jp) : "memory");
-        if (!kProducer && tid == 0 && step - 1 + kStages < step_end) {
+        if (!kProducer && tid == 0 && step + kSub * (kStages - 1) < step_end) {
           mbar_wait(empty_addr + 8 * jp, pp);
-          stage_step(step - 1 + kStages, jp);
+          stage_step(step + kSub * (kStages - 1), jp);
         }
       }
     }
-    if (++js == kStages) {
+    if (u % kSub == kSub - 1 && ++js == kStages) {
       js = 0;
       par ^= 1u;
     }
