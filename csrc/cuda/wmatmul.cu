@@ -1338,8 +1338,9 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
       wgmma_commit();
       wgmma_wait<1>();
       if (w0 == 0 && u % kSub == 0 && step > step_begin) {
-        // this warp is done with step - 1 (only the group just issued is in flight):
-        // release its stage; thread 0 (or the producer warpgroup) refills it once every warp has
+        // this warp is done with the stage before (steps step - kSub .. step - 1; only the
+        // group just issued is in flight): release it; thread 0 (or the producer
+        // warpgroup) refills it once every warp has
         const uint32_t jp = js ? js - 1 : kStages - 1, pp = js ? par : par ^ 1u;
         if (lane == 0)
           asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n"::"r"(empty_addr + 8 * jp) : "memory");
