@@ -173,6 +173,8 @@ def test_fused_mxfp4_scale_ranges(family, rng, monkeypatch):
 # the producer warpgroup) and through the bit and table decode paths. The nvfp4 / mxfp4 bit
 # path at BN <= 32 stages two steps at a time (wg_sub), so a split of an odd step count
 # copies one step past its end (the next split's, or zeros past K) that it must not use.
+# K = 1152 is 9 whole steps: those stages take their codes as one 3-D box (stage_codes),
+# K = 1056's as one 2-D box per step (its last step is partial).
 @pytest.mark.parametrize("splits", [2, 4, 5])
 @pytest.mark.parametrize("fmt,bs,kw,dtype", [W_CASES[0], W_CASES[1], W_CASES[3], W_CASES[7]],
                          ids=str)
@@ -182,8 +184,9 @@ def test_fused_wgmma_k_splits(fmt, bs, kw, dtype, splits, rng, monkeypatch):
         pytest.skip("the wgmma kernel needs a compute capability 9.0 GPU and an sm_90a build")
     monkeypatch.setattr(primitives, "FUSED_MAX_M", 1 << 30)
     monkeypatch.setattr(primitives, "wmatmul_splits", lambda *a, **k: splits)
-    for m in (5, 13, 17, 33, 100, 300):
-        _check_fused(fmt, bs, kw, dtype, m, 1056, 200, "wgmma", rng, splits)
+    for k in (1056, 1152):
+        for m in (5, 13, 17, 33, 100, 300):
+            _check_fused(fmt, bs, kw, dtype, m, k, 200, "wgmma", rng, splits)
 
 
 # The wgmma kernel takes the block scales (and INT4 zero points) by TMA with each stage
@@ -192,7 +195,8 @@ def test_fused_wgmma_k_splits(fmt, bs, kw, dtype, splits, rng, monkeypatch):
 # where two CTAs per SM still fit, 64); the shapes above mostly do not qualify (K / block_size scale bytes per row), so
 # they test the lanes' scale loads. K = 2048 qualifies for every format here (M = 5, 13, 17,
 # 33, 100: BN = 8, 16, 32, 64, 128); N = 200 leaves rows past N in the last CTA's boxes;
-# S = 3 starts two splits mid-row.
+# S = 3 starts two splits mid-row; S = 6 (3 steps each) starts stages of two at odd steps,
+# whose scale bytes (nvfp4: 8 per step) then begin 8 bytes into the stage's 32-byte box.
 @pytest.mark.parametrize("fmt,bs,kw,dtype", W_CASES, ids=str)
 def test_fused_wgmma_scale_boxes(fmt, bs, kw, dtype, rng, monkeypatch):
     assert jf.capabilities()["kernels"]["cuda"], jf.capabilities()["load_error"]
@@ -201,8 +205,10 @@ def test_fused_wgmma_scale_boxes(fmt, bs, kw, dtype, rng, monkeypatch):
     monkeypatch.setattr(primitives, "FUSED_MAX_M", 1 << 30)
     for m in (5, 13, 17, 33, 100):
         _check_fused(fmt, bs, kw, dtype, m, 2048, 200, "wgmma", rng)
-    monkeypatch.setattr(primitives, "wmatmul_splits", lambda *a, **k: 3)
-    _check_fused(fmt, bs, kw, dtype, 13, 2048, 200, "wgmma", rng, 3)
+    for splits in (3, 6):
+        monkeypatch.setattr(primitives, "wmatmul_splits", lambda *a, _s=splits, **k: _s)
+        for m in (5, 13):
+            _check_fused(fmt, bs, kw, dtype, m, 2048, 200, "wgmma", rng, splits)
 
 
 # The BN = 256 kernel in 2-CTA clusters that multicast x (forced from M = 1 here; the rule

@@ -69,6 +69,7 @@ struct WParams {
   int st;                  // INT4 scale storage type
   int out_f32;             // output float32 (else x's dtype: one split only)
   int scale_boxes;         // wgmma kernel: the scales come by TMA with the stages
+  int stage_codes;         // wgmma kernel: a stage's codes come as one 3-D box (launch_wgmma)
   int cluster;             // wgmma kernel at BN = 256: CTAs per cluster, 1 or 2 (x multicast)
 };
 
@@ -870,9 +871,10 @@ __global__ void __launch_bounds__(kWarps * 32, 4) wmatmul_direct_kernel(
 // and the group before it done, the warp is done with step s - 1 and arrives on that
 // stage's `empty` mbarrier; the stage is refilled with step s - 1 + stages once all eight
 // have (no CTA barrier: the warpgroups drift apart, and the copies run up to stages - 1
-// steps ahead). A stage may hold wg_sub<FMT, BITS, BN> = 2 consecutive steps, one half
-// each, filled by one `full` barrier and released once, after the first group of its
-// successor's first step. Who refills (wg_producer<BN>, chosen by measurement):
+// steps ahead). A stage may hold wg_sub<FMT, BITS, BN> = 2 consecutive steps (activation
+// tiles, then codes, one per step, then one scale box for both), filled by one `full`
+// barrier and released once, after the first group of its successor's first step; its
+// codes come as one 3-D box and its scales as one box 32 bytes wide (launch_wgmma). Who refills (wg_producer<BN>, chosen by measurement):
 //  - BN <= 128: thread 0, between its own wgmma groups (M = 16..128: 4-14% faster than a
 //    CTA barrier per step; a producer warpgroup was 3-10% slower at BN = 128).
 //  - BN = 256: a third, producer warpgroup (CUTLASS's warp-specialized kernels): one
@@ -961,14 +963,15 @@ constexpr uint64_t kEvictFirst = 0x12F0000000000000ull;
 constexpr uint64_t kEvictNormal = 0x1000000000000000ull;
 constexpr uint64_t kEvictLast = 0x14F0000000000000ull;
 constexpr int kWgCodeBytes = kWgRows * kWgStepK / 2;  // a step's weight codes: 128 rows x 64 B
-constexpr int kWgBoxCols = 16;  // scale / zero-point box: 128 rows x 16 bytes (TMA's minimum)
-constexpr int kWgBoxBytes = kWgRows * kWgBoxCols;
+constexpr int kWgBoxCols = 16;  // a step's scale / zero-point box: 128 rows x 16 bytes (TMA's minimum)
 template <int BN>  // a step's activation tile: BN rows x 128 k
 __host__ __device__ constexpr int wg_x_bytes() { return BN * kWgStepK * 2; }
 template <int BN>  // CTAs per SM the kernel is built for (launch bounds)
 __host__ __device__ constexpr int wg_ctas() { return BN >= 128 ? 1 : 2; }
-template <int FMT>  // a stage's scale box, and INT4's zero-point box
-__host__ __device__ constexpr int wg_side_bytes() { return (FMT == kINT4 ? 2 : 1) * kWgBoxBytes; }
+template <int FMT, bool BITS, int BN>  // a stage's box width: 16 bytes per step it holds
+__host__ __device__ constexpr int wg_box_cols() { return kWgBoxCols * wg_sub<FMT, BITS, BN>(); }
+template <int FMT, bool BITS, int BN>  // a stage's scale box, and INT4's zero-point box
+__host__ __device__ constexpr int wg_side_bytes() { return (FMT == kINT4 ? 2 : 1) * kWgRows * wg_box_cols<FMT, BITS, BN>(); }
 template <int FMT, int BN, bool BITS>
 __host__ __device__ constexpr int wg_smem_for(int stage_bytes) {
   const int pipe = wg_stages<FMT, BITS, BN>() * stage_bytes;
@@ -988,12 +991,14 @@ __host__ __device__ constexpr int wg_smem_for(int stage_bytes) {
 template <int FMT, bool BITS, int BN>
 __host__ __device__ constexpr bool wg_boxes() {
   return BN <= 128 && (FMT != kNVFP4 || BN <= 32) &&
-         wg_ctas<BN>() * (wg_smem_for<FMT, BN, BITS>(wg_sub<FMT, BITS, BN>() * (wg_x_bytes<BN>() + kWgCodeBytes + wg_side_bytes<FMT>())) +
+         wg_ctas<BN>() * (wg_smem_for<FMT, BN, BITS>(wg_sub<FMT, BITS, BN>() * (wg_x_bytes<BN>() + kWgCodeBytes) +
+                                                     wg_side_bytes<FMT, BITS, BN>()) +
                           1024 + 2 * wg_stages<FMT, BITS, BN>() * 8) <= 228 * 1024;
 }
-template <int FMT, bool BITS, int BN>  // stage = [activation tile | weight codes | boxes]
+// stage = [activation tiles | weight codes | boxes], the first two one per step it holds
+template <int FMT, bool BITS, int BN>
 __host__ __device__ constexpr int wg_stage_bytes() {
-  return wg_sub<FMT, BITS, BN>() * (wg_x_bytes<BN>() + kWgCodeBytes + (wg_boxes<FMT, BITS, BN>() ? wg_side_bytes<FMT>() : 0));
+  return wg_sub<FMT, BITS, BN>() * (wg_x_bytes<BN>() + kWgCodeBytes) + (wg_boxes<FMT, BITS, BN>() ? wg_side_bytes<FMT, BITS, BN>() : 0);
 }
 template <int FMT, bool BITS, int BN>
 __host__ __device__ constexpr int wg_smem_bytes() {
@@ -1062,7 +1067,11 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
   constexpr bool kProducer = wg_producer<BN>();
   constexpr int kWords = wg_words<BN>();
   constexpr int kStage = wg_stage_bytes<FMT, BITS, BN>();
-  constexpr int kSub = wg_sub<FMT, BITS, BN>(), kHalf = kStage / kSub;  // steps per stage, bytes per step
+  constexpr int kSub = wg_sub<FMT, BITS, BN>();  // steps per stage
+  static_assert(kSub <= 2, "a stage's scale box covers two steps' bytes (launch_wgmma)");
+  // where in a stage: step h's activation tile, its codes, the boxes (width kBoxCols)
+  constexpr int kX = wg_x_bytes<BN>(), kCodes = kSub * kX, kSide = kSub * (kX + kWgCodeBytes);
+  constexpr int kBoxCols = wg_box_cols<FMT, BITS, BN>();
   constexpr int kPipe = kStages * kStage;
   // the scale boxes come with the stages (launch_wgmma: where the scale rows allow)
   const bool boxes = wg_boxes<FMT, BITS, BN>() && p.scale_boxes;
@@ -1124,14 +1133,16 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
   int step_begin, step_end;
   split_steps(p, &step_begin, &step_end);
 
-  // a step's activation tile (two 64-k boxes), weight codes (128 rows x 64 bytes) and
-  // scale / zero-point boxes (128 rows x the 16 aligned bytes that hold the step's blocks:
-  // a box must start on a 16-byte boundary), zero past M, N and K -> half h of stage j,
-  // arriving on full[j]; one thread issues it. In a cluster of two, CTA r copies box r of
-  // the activation tile into stage j of both CTAs (TMA multicast, arriving on each one's
-  // full[j]): the pair reads the tile from L2 once.
+  // step `step`, the h-th of stage j, zero past M, N and K, arriving on full[j]; one thread
+  // issues it: its activation tile (two 64-k boxes) and weight codes (128 rows x 64
+  // bytes; for h = 0 with p.stage_codes, the stage's kSub steps of codes as one 3-D box),
+  // and for h = 0 the stage's scale / zero-point boxes (128 rows x the kBoxCols bytes from
+  // the 16-byte boundary at or before the stage's first block: a box must start on one,
+  // and the stage's kSub <= 2 steps' bytes fit, launch_wgmma). In a cluster of two, CTA r
+  // copies box r of the activation tile into stage j of both CTAs (TMA multicast, arriving
+  // on each one's full[j]): the pair reads the tile from L2 once.
   auto copy_step = [&](int step, uint32_t j, int h) {
-    const uint32_t bar = full_addr + 8 * j, dst = smem_addr + j * kStage + h * kHalf;
+    const uint32_t bar = full_addr + 8 * j, stage = smem_addr + j * kStage, dst = stage + h * kX;
     auto copy = [&](uint32_t to, const CUtensorMap* map, int c0, int c1, uint64_t hint) {
       asm volatile(
           "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
@@ -1149,13 +1160,19 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
       copy(dst, &x_map, step * kWgStepK, m0, kEvictLast);
       copy(dst + BN * 128, &x_map, step * kWgStepK + 64, m0, kEvictLast);
     }
-    copy(dst + wg_x_bytes<BN>(), &w_map, step * (kWgStepK / 2), n, kEvictFirst);
+    if (kSub == 1 || !p.stage_codes) {
+      copy(stage + kCodes + h * kWgCodeBytes, &w_map, step * (kWgStepK / 2), n, kEvictFirst);
+    } else if (h == 0) {  // w_map 3-D: (64 bytes, rows, 64-byte column blocks)
+      asm volatile(
+          "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+          " [%0], [%1, {%2, %3, %4}], [%5], %6;\n"
+          ::"r"(stage + kCodes), "l"(&w_map), "r"(0), "r"(n), "r"(step), "r"(bar), "l"(kEvictFirst) : "memory");
+    }
     if constexpr (wg_boxes<FMT, BITS, BN>()) {
-      if (boxes) {  // a scale row's 128-byte line serves 8-16 steps: normal eviction
+      if (boxes && h == 0) {  // a scale row's 128-byte line serves 8-16 steps: normal eviction
         const int b0 = (step * kWgStepK) >> p.bs_shift;
-        const uint32_t side = dst + wg_x_bytes<BN>() + kWgCodeBytes;
-        copy(side, &s_map, (b0 * scale_bytes<FMT>(p)) & ~15, n, kEvictNormal);
-        if constexpr (FMT == kINT4) copy(side + kWgBoxBytes, &z_map, b0 & ~15, n, kEvictNormal);
+        copy(stage + kSide, &s_map, (b0 * scale_bytes<FMT>(p)) & ~15, n, kEvictNormal);
+        if constexpr (FMT == kINT4) copy(stage + kSide + kWgRows * kBoxCols, &z_map, b0 & ~15, n, kEvictNormal);
       }
     }
   };
@@ -1163,7 +1180,7 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
   // split's or zeros past K, and not used)
   auto stage_step = [&](int step0, uint32_t j) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n"
-                 ::"r"(full_addr + 8 * j), "r"(kSub * (boxes ? kHalf : wg_x_bytes<BN>() + kWgCodeBytes))
+                 ::"r"(full_addr + 8 * j), "r"(boxes ? kStage : kSide)
                  : "memory");
 #pragma unroll
     for (int h = 0; h < kSub; ++h) copy_step(step0 + h, j, h);
@@ -1254,10 +1271,10 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
   // the stage of `step` and the parity of its fill, carried (no division per step)
   uint32_t js = 0, par = 0;
   const uint64_t desc0 = sw128_desc(smem_addr);
-  const uint8_t* wc0 = smem + wg_x_bytes<BN>() + wrow * 64 + 16 * t;
+  const uint8_t* wc0 = smem + kCodes + wrow * 64 + 16 * t;
   // the lane's scale rows in a stage's box, and its first block counted from the step's
   // first block (blocks longer than a step: 0)
-  const uint8_t* sb0 = smem + wg_x_bytes<BN>() + kWgCodeBytes + wrow * kWgBoxCols;
+  const uint8_t* sb0 = smem + kSide + wrow * kBoxCols;
   const int lane_block = (32 * t) >> p.bs_shift;
   for (int s0 = step_begin; s0 < step_end; s0 += kDepth)
 #pragma unroll
@@ -1268,20 +1285,21 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
     if (!boxes && step + kDepth < step_end) load_step(ring[u], step + kDepth);
     // descriptor of the stage; a k16 slice adds its byte offset / 16 to the address field
     // (addresses stay below 2^18, so the 14-bit field never carries)
-    const int h_off = (u % kSub) * kHalf;  // the step's half of the stage
-    const uint64_t desc = desc0 + js * (kStage >> 4) + (h_off >> 4);
-    if (u % kSub == 0) mbar_wait(full_addr + 8 * js, par);
+    const int hs = u % kSub;  // the step's place in its stage
+    const uint64_t desc = desc0 + js * (kStage >> 4) + ((hs * kX) >> 4);
+    if (hs == 0) mbar_wait(full_addr + 8 * js, par);
     if constexpr (wg_boxes<FMT, BITS, BN>()) {
-      if (boxes) {  // the step's first block sits at byte b0 * size % 16 of its box row
-        const int b0 = (step * kWgStepK) >> p.bs_shift;
-        const uint8_t* sb = sb0 + js * kStage + h_off + ((b0 * scale_bytes<FMT>(p)) & 15);
-        const uint8_t* zb = sb0 + js * kStage + h_off + kWgBoxBytes + (b0 & 15);
+      if (boxes) {  // the step's first block, counted from its stage's box (copy_step)
+        const int b0 = (step * kWgStepK) >> p.bs_shift, b0s = ((step - hs) * kWgStepK) >> p.bs_shift;
+        const int size = scale_bytes<FMT>(p);
+        const uint8_t* sb = sb0 + js * kStage + (b0 * size - ((b0s * size) & ~15));
+        const uint8_t* zb = sb0 + js * kStage + kWgRows * kBoxCols + (b0 - (b0s & ~15));
 #pragma unroll
         for (int h = 0; h < 2; ++h)
           chunk_scales<FMT, BITS>(
               cur[h],
-              [&](auto n, int off) { return lds_bytes<decltype(n)::value>(sb + h * 8 * kWgBoxCols + off); },
-              [&](auto n, int off) { return lds_bytes<decltype(n)::value>(zb + h * 8 * kWgBoxCols + off); },
+              [&](auto n, int off) { return lds_bytes<decltype(n)::value>(sb + h * 8 * kBoxCols + off); },
+              [&](auto n, int off) { return lds_bytes<decltype(n)::value>(zb + h * 8 * kBoxCols + off); },
               lane_block, p.bs == 16, p);
       }
     }
@@ -1291,7 +1309,7 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
     for (int h = 0; h < 2; ++h) make_decs<FMT, BF16, BITS>(cur[h], tsv[0][h], p, d[h]);
     // the lane's code chunks: rows wrow and wrow + 8, k [32 t, 32 t + 32) (a warp reads 512
     // contiguous bytes: no bank conflicts)
-    const uint8_t* wc = wc0 + js * kStage + h_off;
+    const uint8_t* wc = wc0 + js * kStage + hs * kWgCodeBytes;
 #pragma unroll
     for (int h = 0; h < 2; ++h) cur[h].q = *reinterpret_cast<const uint4*>(wc + h * 8 * 64);
     // groups of kWords code words: decode them (A of 2 kWords wgmmas), issue the
@@ -1337,7 +1355,7 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
       }
       wgmma_commit();
       wgmma_wait<1>();
-      if (w0 == 0 && u % kSub == 0 && step > step_begin) {
+      if (w0 == 0 && hs == 0 && step > step_begin) {
         // this warp is done with the stage before (steps step - kSub .. step - 1; only the
         // group just issued is in flight): release it; thread 0 (or the producer
         // warpgroup) refills it once every warp has
@@ -1350,7 +1368,7 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
         }
       }
     }
-    if (u % kSub == kSub - 1 && ++js == kStages) {
+    if (hs == kSub - 1 && ++js == kStages) {
       js = 0;
       par ^= 1u;
     }
@@ -1428,13 +1446,12 @@ cudaError_t prepare_wgmma(Kernel kernel, int smem_bytes) {
   return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
 }
 
-// A 2-D tensor map over a row-major (rows, cols) array for tiles of box_rows x box_cols,
-// zero fill out of bounds. cuTensorMapEncodeTiled comes from the driver through the
-// runtime (no libcuda link).
-cudaError_t tensor_map_2d(CUtensorMap* map, CUtensorMapDataType type, const void* base,
-                          int64_t rows, int64_t cols, int64_t row_bytes, int box_rows,
-                          int box_cols, CUtensorMapSwizzle swizzle,
-                          CUtensorMapL2promotion promotion) {
+// A tensor map of `rank` dimensions (dims[0] innermost, strides[i] the byte stride of
+// dims[i + 1]) for boxes of box[0] x ... elements, zero fill out of bounds.
+// cuTensorMapEncodeTiled comes from the driver through the runtime (no libcuda link).
+cudaError_t tensor_map(CUtensorMap* map, CUtensorMapDataType type, const void* base, int rank,
+                       const cuuint64_t* dims, const cuuint64_t* strides, const cuuint32_t* box,
+                       CUtensorMapSwizzle swizzle, CUtensorMapL2promotion promotion) {
   static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult q;
@@ -1445,14 +1462,22 @@ cudaError_t tensor_map_2d(CUtensorMap* map, CUtensorMapDataType type, const void
     return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
   }();
   if (encode == nullptr) return cudaErrorNotSupported;
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(row_bytes)};
-  const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows)};
-  const cuuint32_t elem[2] = {1, 1};
-  const CUresult r = encode(map, type, 2, const_cast<void*>(base), dims, strides, box, elem,
+  const cuuint32_t elem[3] = {1, 1, 1};
+  const CUresult r = encode(map, type, rank, const_cast<void*>(base), dims, strides, box, elem,
                             CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, promotion,
                             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+// A 2-D tensor map over a row-major (rows, cols) array for tiles of box_rows x box_cols.
+cudaError_t tensor_map_2d(CUtensorMap* map, CUtensorMapDataType type, const void* base,
+                          int64_t rows, int64_t cols, int64_t row_bytes, int box_rows,
+                          int box_cols, CUtensorMapSwizzle swizzle,
+                          CUtensorMapL2promotion promotion) {
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(row_bytes)};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows)};
+  return tensor_map(map, type, base, 2, dims, strides, box, swizzle, promotion);
 }
 
 template <int FMT, bool BF16, bool BITS, int BN>
@@ -1472,16 +1497,35 @@ cudaError_t launch_wgmma(cudaStream_t stream, const uint16_t* xp, const uint8_t*
   cudaError_t e = tensor_map_2d(&x_map, BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
                                 xp, p.x_rows, k128, 2 * k128, BN, 64, CU_TENSOR_MAP_SWIZZLE_128B,
                                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
-  if (e == cudaSuccess)
+  // A stage of kSub > 1 steps takes its codes as one 3-D box where K is whole steps: the
+  // codes seen as (64 bytes, rows, 64-byte column blocks), box (64, 128, kSub), land as
+  // [step][row][64 bytes], the layout of kSub 2-D boxes, in one copy. With one scale box
+  // per stage instead of one per step, harness on the H100, M = 1 (tile 8) on 8192 x
+  // 28672 / 28672 x 8192: nvfp4 60.3 / 58.9 -> 58.2 / 56.8 us, mxfp4 56.7 / 55.1 -> 55.8 /
+  // 53.4 (benchmarks/NOTES.md round 14). Else (a partial last step, which the 3-D box
+  // would not zero-fill: its 64-byte blocks lie inside the row) one 2-D box of 128 rows x
+  // 64 bytes per step.
+  WParams q = p;
+  constexpr int kSub = wg_sub<FMT, BITS, BN>();
+  q.stage_codes = kSub > 1 && p.K % kWgStepK == 0;
+  if (e == cudaSuccess && q.stage_codes) {
+    const cuuint64_t dims[3] = {kWgStepK / 2, static_cast<cuuint64_t>(p.N), static_cast<cuuint64_t>(p.K / kWgStepK)};
+    const cuuint64_t strides[2] = {static_cast<cuuint64_t>(p.K / 2), kWgStepK / 2};
+    const cuuint32_t box[3] = {kWgStepK / 2, kWgRows, kSub};
+    e = tensor_map(&w_map, CU_TENSOR_MAP_DATA_TYPE_UINT8, cp, 3, dims, strides, box,
+                   CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_128B);
+  } else if (e == cudaSuccess) {
     e = tensor_map_2d(&w_map, CU_TENSOR_MAP_DATA_TYPE_UINT8, cp, p.N, p.K / 2, p.K / 2, kWgRows,
                       kWgStepK / 2, CU_TENSOR_MAP_SWIZZLE_NONE,
                       CU_TENSOR_MAP_L2_PROMOTION_L2_128B);
+  }
   if (e != cudaSuccess) return e;
-  // Scale (and zero-point) boxes of 128 rows x 16 bytes, where the stages have room, TMA
-  // can address the rows (row bytes % 16 == 0) and a step's scale bytes, a power of two,
-  // fit in 16 (then they never straddle two aligned 16-byte boxes; all but 32-bit scales
-  // in blocks of 16); else the lanes load the scales from global memory.
-  WParams q = p;
+  // Scale (and zero-point) boxes of 128 rows x 16 bytes per step of a stage, where the
+  // stages have room, TMA can address the rows (row bytes % 16 == 0) and a step's scale
+  // bytes, a power of two, fit in 16 (then they never straddle two aligned 16-byte boxes;
+  // all but 32-bit scales in blocks of 16, and a stage's two steps' bytes lie within 32
+  // bytes from the boundary before the first); else the lanes load the scales from
+  // global memory.
   const int esize = scale_bytes<FMT>(p);
   const int lane_end = ((96 >> p.bs_shift) + (p.bs == 16 ? 2 : 1)) * esize;  // lane t = 3
   q.scale_boxes = wg_boxes<FMT, BITS, BN>() && (p.nb * esize) % 16 == 0 && lane_end <= kWgBoxCols &&
@@ -1490,11 +1534,12 @@ cudaError_t launch_wgmma(cudaStream_t stream, const uint16_t* xp, const uint8_t*
   CUtensorMap s_map = {}, z_map = {};
   if (q.scale_boxes) {
     e = tensor_map_2d(&s_map, CU_TENSOR_MAP_DATA_TYPE_UINT8, sp, p.N, p.nb * esize, p.nb * esize,
-                      kWgRows, kWgBoxCols, CU_TENSOR_MAP_SWIZZLE_NONE,
+                      kWgRows, wg_box_cols<FMT, BITS, BN>(), CU_TENSOR_MAP_SWIZZLE_NONE,
                       CU_TENSOR_MAP_L2_PROMOTION_L2_128B);
     if (e == cudaSuccess && FMT == kINT4)
       e = tensor_map_2d(&z_map, CU_TENSOR_MAP_DATA_TYPE_UINT8, zp, p.N, p.nb, p.nb, kWgRows,
-                        kWgBoxCols, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_128B);
+                        wg_box_cols<FMT, BITS, BN>(), CU_TENSOR_MAP_SWIZZLE_NONE,
+                        CU_TENSOR_MAP_L2_PROMOTION_L2_128B);
     if (e != cudaSuccess) return e;
   }
   // clusters of p.cluster CTAs (jax_fp4/primitives.py, wmatmul_cluster), the weight tiles
@@ -1681,6 +1726,7 @@ ffi::Error WMatmulImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer cod
   w.st = p.scale_type;
   w.out_f32 = out->element_type() == ffi::DataType::F32;
   w.scale_boxes = 0;  // launch_wgmma decides
+  w.stage_codes = 0;  // launch_wgmma decides
   w.cluster = static_cast<int>(cluster);
   void* o = out->untyped_data();
   return x.element_type() == ffi::DataType::BF16
