@@ -47,7 +47,7 @@ def weight_bytes(fmt, k, n):
 def path_of(fn, args):
     """Which W4A16 path the lowered computation takes (fused: which kernel family)."""
     text = fn.lower(*args).as_text()
-    if "jax_fp4_wmatmul_v2" in text:
+    if "jax_fp4_wmatmul_v3" in text:
         m = re.search(r"tile_m = (\d+)", text)
         return "fused mma" if m is None or m.group(1) == "0" else f"fused wgmma{m.group(1)}"
     return "dequant+dot" if "jax_fp4_dequantize_v1" in text else "reference"
@@ -77,6 +77,11 @@ def bench_w4a16(args, roof, rows):
         qs = {fmt: [jf.quantize(w, fmt, axis=0, **(
             {"tensor_scale": "auto"} if fmt == "nvfp4" and args.tensor_scale else {}))
             for w in ws] for fmt in args.formats}
+        if args.prepare:  # the same weights in the prepared layout, where it applies
+            for fmt in args.formats:
+                prep = [jf.prepare(q) for q in qs[fmt]]
+                if prep[0].scale_layout == "tiled":
+                    qs[f"{fmt} prepared"] = prep
         for m in args.ms:
             # one x for all R weights (XLA lays it out for the wgmma kernel once), or with
             # --fresh-x one per weight, as consecutive layers see: each pays its own layout
@@ -86,7 +91,7 @@ def bench_w4a16(args, roof, rows):
             t_bf16 = timed(per_weight(jnp.matmul, nx), (*xs, *ws), r)
             floor_bf16 = weight_bytes("bf16", k, n) / roof
             print(f"{shape:11s} M={m:5d} bf16 {t_bf16 * 1e6:9.1f} us", flush=True)
-            for fmt in args.formats:
+            for fmt in qs:
                 fn = per_weight(jf.matmul, nx)
                 t = timed(fn, (*xs, *qs[fmt]), r)
                 path = path_of(fn, (*xs, *qs[fmt]))
@@ -95,7 +100,7 @@ def bench_w4a16(args, roof, rows):
                     jf.set_backend("reference")
                     t_ref = timed(per_weight(jf.matmul, nx), (*xs, *qs[fmt]), r)
                     jf.set_backend("auto")
-                floor = weight_bytes(fmt, k, n) / roof
+                floor = weight_bytes(fmt.split()[0], k, n) / roof
                 rows.append((shape, m, fmt, path, t * 1e6, t_bf16 * 1e6, t_bf16 / t,
                              floor_bf16 / floor, t_ref / t, 100 * floor / t))
                 print(f"{shape:11s} M={m:5d} {fmt:8s} {path:11s} {t * 1e6:9.1f} us  "
@@ -182,6 +187,9 @@ def main(argv=None):
                     help="a distinct x per weight (W4A16), so each call lays out its own x")
     ap.add_argument("--tensor-scale", action="store_true",
                     help="nvfp4 weights with their fp32 per-tensor scale (two-level)")
+    ap.add_argument("--prepare", action="store_true",
+                    help="also each format's weights through jax_fp4.prepare (W4A16), where "
+                         "it applies (nvfp4, mxfp4)")
     ap.add_argument("--results", default=os.path.join(os.path.dirname(__file__), "RESULTS.md"))
     args = ap.parse_args(argv)
     dev = jax.devices()[0]

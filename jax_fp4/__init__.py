@@ -6,8 +6,9 @@ semantics; CPU (C++) and CUDA kernels registered as XLA FFI targets match it bit
 """
 from . import _ext, formats, reference
 from .formats import FORMAT_NAMES, Format, get_format
-from .ops import (dequantize, dot_general, fake_quantize, from_blocked, matmul, quantize,
-                  scaled_matmul, scaled_matmul_operands, tensor_scale_from_amax, to_blocked)
+from .ops import (dequantize, dot_general, fake_quantize, from_blocked, matmul, prepare,
+                  quantize, scaled_matmul, scaled_matmul_operands, tensor_scale_from_amax,
+                  to_blocked, unprepare)
 from .primitives import get_backend, set_backend
 from .qarray import QArray
 
@@ -48,7 +49,8 @@ def export_disabled_checks() -> list:
 
 __all__ = [
     "QArray", "Format", "FORMAT_NAMES", "get_format", "quantize", "dequantize",
-    "fake_quantize", "tensor_scale_from_amax", "dot_general", "matmul", "scaled_matmul",
+    "fake_quantize", "tensor_scale_from_amax", "dot_general", "matmul", "prepare",
+    "unprepare", "scaled_matmul",
     "scaled_matmul_operands",
     "to_blocked", "from_blocked", "set_backend", "get_backend", "capabilities", "formats",
     "export_disabled_checks",

@@ -116,3 +116,36 @@ def from_blocked(blocked, shape):
             f"scale matrix, got {blocked.size} (shape {blocked.shape})")
     s = blocked.reshape(nr, nk, 32, 4, 4).transpose(0, 3, 2, 1, 4)
     return s.reshape(nr * 128, nk * 4)[:rows, :cols]
+
+
+# The prepared ("tiled") weight layout of :func:`jax_fp4.prepare`, read by the fused W4A16
+# wgmma kernel (csrc/cuda/wmatmul.cu, wg_tileable): rows in tiles of TILE_ROWS, K in steps
+# of TILE_K; a (rows, cols) buffer of codes or scales with `per_step` = its columns per
+# TILE_K elements (64 code bytes of 4-bit elements, TILE_K / block_size scales) is stored
+# tile by tile, [row tile][k step][row in tile][per_step], so that each tile's bytes are
+# contiguous (one 1-D bulk copy). The array keeps its shape: only bytes move.
+TILE_ROWS = 128
+TILE_K = 128
+
+
+def tile_rows(a, per_step: int):
+    """Reorder the last two axes (rows, cols) of ``a`` into the prepared layout.
+
+    Args:
+      a: (..., rows, cols) array, rows % TILE_ROWS == 0, cols % per_step == 0.
+      per_step: columns per TILE_K elements of K (64 for 4-bit codes in bytes,
+        TILE_K // block_size for scales).
+    Returns:
+      array of a's shape and dtype, element (r, c) moved to tile (r // 128, c // per_step),
+      row r % 128, column c % per_step of that tile.
+    """
+    *lead, rows, cols = a.shape
+    t = a.reshape(*lead, rows // TILE_ROWS, TILE_ROWS, cols // per_step, per_step)
+    return jnp.swapaxes(t, -3, -2).reshape(a.shape)
+
+
+def untile_rows(a, per_step: int):
+    """Inverse of :func:`tile_rows`."""
+    *lead, rows, cols = a.shape
+    t = a.reshape(*lead, rows // TILE_ROWS, cols // per_step, TILE_ROWS, per_step)
+    return jnp.swapaxes(t, -3, -2).reshape(a.shape)

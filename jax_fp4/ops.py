@@ -15,7 +15,7 @@ from jax import lax
 
 from . import layout, primitives, reference
 from .formats import get_format
-from .qarray import SCALE_LAYOUTS, QArray
+from .qarray import QArray
 
 _FLOAT_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 _ROUNDINGS = ("floor", "rceil")
@@ -41,9 +41,13 @@ def _normalize_axis(axis, ndim, name="axis"):
     return int(axis) % ndim
 
 
+_QUANTIZE_LAYOUTS = ("linear", "swizzled")  # "tiled": jax_fp4.prepare of a linear QArray
+
+
 def _check_options(f, x_dtype, tensor_scale, scale_layout, scale_rounding, scale_dtype):
-    if scale_layout not in SCALE_LAYOUTS:
-        raise ValueError(f"scale_layout: expected one of {SCALE_LAYOUTS}, got {scale_layout!r}")
+    if scale_layout not in _QUANTIZE_LAYOUTS:
+        raise ValueError(f"scale_layout: expected one of {_QUANTIZE_LAYOUTS}, got "
+                         f"{scale_layout!r} (the 'tiled' layout comes from jax_fp4.prepare)")
     if scale_rounding not in _ROUNDINGS:
         raise ValueError(f"scale_rounding: expected one of {_ROUNDINGS}, got {scale_rounding!r}")
     if scale_rounding == "rceil" and f.family != "mx":
@@ -107,7 +111,7 @@ def _quant_params(f, block_size, scale_rounding, ts, scale_dtype):
                 impl=primitives.get_backend())
 
 
-def _prepare(x, format, axis, block_size, tensor_scale, scale_layout, scale_rounding,
+def _quantize_args(x, format, axis, block_size, tensor_scale, scale_layout, scale_rounding,
              scale_dtype):
     x = _check_float(x, "x")
     f = get_format(format)
@@ -155,7 +159,7 @@ def quantize(x, format="nvfp4", *, axis=-1, tensor_scale=None, block_size=None,
         block size, block size not allowed for the format, options that do not apply to
         the format, non-scalar or invalid concrete tensor_scale.
     """
-    f, x, axis, x2, rest, ts, params = _prepare(x, format, axis, block_size, tensor_scale,
+    f, x, axis, x2, rest, ts, params = _quantize_args(x, format, axis, block_size, tensor_scale,
                                                 scale_layout, scale_rounding, scale_dtype)
     rows, k = x2.shape
     codes, scales, zeros = primitives.quantize_p.bind(
@@ -177,8 +181,11 @@ def _check_qarray(q, name):
         raise TypeError(f"{name}: expected a QArray, got {type(q).__name__}")
 
 
-def _qarray_rows(q: QArray):
-    """QArray -> canonical buffers (codes, scales, zeros, ts rows) + (rest, K)."""
+def _qarray_rows(q: QArray, keep_tiled=False):
+    """QArray -> canonical buffers (codes, scales, zeros, ts rows) + (rest, K).
+
+    keep_tiled: leave the codes and scales of a "tiled" QArray in that layout (for the
+    fused kernel), else they come back linear."""
     f = q.fmt
     data = q.data
     if data.dtype != jnp.uint8:
@@ -187,8 +194,11 @@ def _qarray_rows(q: QArray):
     rows = math.prod(rest)
     k = q.shape[q.axis]
     nb = k // q.block_size
-    codes = data.reshape(rows, data.shape[-1])
     scales = q.scales
+    if q.scale_layout == "tiled" and not keep_tiled:
+        data = layout.untile_rows(data, layout.TILE_K // 2)
+        scales = layout.untile_rows(scales, layout.TILE_K // q.block_size)
+    codes = data.reshape(rows, data.shape[-1])
     if q.scale_layout == "swizzled":
         if q._dropped:
             raise ValueError("q: swizzled scales cannot be vmapped/scanned; use "
@@ -228,6 +238,61 @@ def dequantize(q: QArray, dtype=None):
     return _from_rows(y, rest, q.axis)
 
 
+def prepare(q: QArray) -> QArray:
+    """A weight QArray in the layout the fused W4A16 kernel reads fastest (``"tiled"``).
+
+    The codes and block scales of each 128-row x 128-k tile of the last two axes of
+    ``q.data`` / ``q.scales`` are stored contiguously, tile by tile ([row tile][k step][row]
+    [bytes]; jax_fp4.layout.tile_rows), so that the CUDA wgmma kernel copies a stage's
+    weight bytes with one 1-D bulk copy each instead of 128 strided rows (the offline
+    re-layout of Marlin-style W4A16 kernels). Shapes, dtypes and every other field stay as
+    they were; :func:`dequantize`, :func:`matmul` and every other op give bit-identical
+    results, and safetensors checkpoints are written in the linear layout. Ops other than
+    the wgmma kernel (CPU, the reference, other GPUs, large M) restore the linear layout
+    first, which costs a copy of the weight per call: prepare weights for a Hopper GPU.
+
+    Applies to nvfp4 (block 16, one- or two-level) and mxfp4 (block 32) QArrays with linear
+    scales whose data has >= 2 axes, rows (``q.data.shape[-2]``: N of a (K, N) weight) a
+    multiple of 128 and a blocked axis of length K % 128 == 0; any other QArray (and one
+    already prepared) is returned unchanged. Pure jnp: works under jit and on stacked
+    (vmap / scan) weights.
+
+    Args:
+      q: a QArray.
+    Returns:
+      the QArray with ``scale_layout="tiled"``, or ``q``.
+    Raises:
+      TypeError: q is not a QArray.
+    """
+    _check_qarray(q, "q")
+    if not _tileable(q):
+        return q
+    return QArray(layout.tile_rows(q.data, layout.TILE_K // 2),
+                  layout.tile_rows(q.scales, layout.TILE_K // q.block_size), q.tensor_scale,
+                  q.zeros, format=q.format, axis=q._axis, shape=q._shape, dtype=q.dtype,
+                  block_size=q.block_size, scale_layout="tiled")
+
+
+def _tileable(q: QArray) -> bool:
+    """Whether :func:`prepare` applies (nvfp4 / mxfp4 data: uint8, two codes a byte)."""
+    return (q.format in ("nvfp4", "mxfp4") and q.block_size == q.fmt.default_block
+            and q.scale_layout == "linear" and q.data.ndim >= 2
+            and q.data.shape[-2] % layout.TILE_ROWS == 0
+            and q.shape[q.axis] % layout.TILE_K == 0)
+
+
+def unprepare(q: QArray) -> QArray:
+    """Inverse of :func:`prepare`: a ``"tiled"`` QArray back in the linear layout (others
+    unchanged). Raises TypeError if q is not a QArray."""
+    _check_qarray(q, "q")
+    if q.scale_layout != "tiled":
+        return q
+    return QArray(layout.untile_rows(q.data, layout.TILE_K // 2),
+                  layout.untile_rows(q.scales, layout.TILE_K // q.block_size), q.tensor_scale,
+                  q.zeros, format=q.format, axis=q._axis, shape=q._shape, dtype=q.dtype,
+                  block_size=q.block_size, scale_layout="linear")
+
+
 def fake_quantize(x, format="nvfp4", *, axis=-1, tensor_scale=None, block_size=None,
                   scale_rounding="floor", scale_dtype=None):
     """Quantize-dequantize (QDQ) in one pass: ``dequantize(quantize(x, ...), x.dtype)``.
@@ -240,7 +305,7 @@ def fake_quantize(x, format="nvfp4", *, axis=-1, tensor_scale=None, block_size=N
     Returns:
       array with x's shape and dtype.
     """
-    f, x, axis, x2, rest, ts, params = _prepare(x, format, axis, block_size, tensor_scale,
+    f, x, axis, x2, rest, ts, params = _quantize_args(x, format, axis, block_size, tensor_scale,
                                                 "linear", scale_rounding, scale_dtype)
     y = primitives.fake_quantize_p.bind(x2, _row_ts(ts, x2.shape[0]), **params)
     return _from_rows(y, rest, axis)
@@ -319,13 +384,14 @@ def _weight_matmul(x, w: QArray, x_axis, precision, out_dtype):
     if np.dtype(x.dtype) not in _FLOAT_DTYPES:
         x = x.astype(w.dtype)
     x2, rest = _to_rows(x, x_axis)
-    bufs, _, k = _qarray_rows(w)
+    bufs, _, k = _qarray_rows(w, keep_tiled=True)
     if x2.shape[1] != k:
         raise ValueError(f"lhs: contracting dimension has size {x2.shape[1]}, the QArray's "
                          f"blocked axis has size {k}")
     y = primitives.wmatmul_p.bind(
         x2, *bufs, fmt=w.format, block_size=w.block_size, two_level=w.tensor_scale is not None,
-        out_dtype=out_dtype, precision=precision, impl=primitives.get_backend())
+        out_dtype=out_dtype, precision=precision, tiled=w.scale_layout == "tiled",
+        impl=primitives.get_backend())
     return y.reshape(rest + (y.shape[-1],))
 
 

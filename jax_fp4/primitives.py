@@ -377,10 +377,21 @@ def _wmatmul_abstract(x, codes, scales, zeros, ts, *, out_dtype, **_):
     return jax.core.ShapedArray((x.shape[0], codes.shape[0]), np.dtype(out_dtype))
 
 
+def _untiled(codes, scales, block_size, tiled):
+    """The linear layout of a weight's codes and scales given in the prepared ("tiled")
+    layout of jax_fp4.prepare (jax_fp4.layout.tile_rows), or them as they are."""
+    if not tiled:
+        return codes, scales
+    return (layout.untile_rows(codes, layout.TILE_K // 2),
+            layout.untile_rows(scales, layout.TILE_K // block_size))
+
+
 def _wmatmul_compose(dequantize, x, codes, scales, zeros, ts, *, fmt, block_size, two_level,
-                     out_dtype, precision, impl):
+                     out_dtype, precision, tiled, impl):
     """y (M, N) = x (M, K) @ W(N, K)^T: W decoded in float32, rounded to x.dtype (the
-    compute dtype of a W4A16 kernel), products accumulated in float32."""
+    compute dtype of a W4A16 kernel), products accumulated in float32. `tiled`: the codes
+    and scales come in the prepared layout (jax_fp4.prepare)."""
+    codes, scales = _untiled(codes, scales, block_size, tiled)
     w = dequantize(codes, scales, zeros, ts, fmt=fmt, block_size=block_size, k=x.shape[1],
                    dtype=x.dtype, two_level=two_level, impl=impl)
     y = lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=precision,
@@ -408,6 +419,7 @@ def _wmatmul_transpose(ct, x, codes, scales, zeros, ts, **params):
         raise NotImplementedError("jax_fp4 matmul differentiates w.r.t. the activations only")
     if type(ct) is ad.Zero:
         return [None] * 5
+    codes, scales = _untiled(codes, scales, params["block_size"], params["tiled"])
     w = dequantize_p.bind(codes, scales, zeros, ts, fmt=params["fmt"],
                           block_size=params["block_size"], k=x.aval.shape[1],
                           dtype=x.aval.dtype, two_level=params["two_level"],
@@ -440,7 +452,7 @@ FUSED_FORMATS = ("nvfp4", "mxfp4", "nf4", "bnb_fp4", "int4")
 FUSED_MAX_M = 64
 FUSED_MAX_M_WGMMA = {"nvfp4": 1024, "mxfp4": 4096, "nf4": 1024, "bnb_fp4": 1024, "int4": 2048}
 FUSED_MAX_M_WGMMA_FOLDED = 4096
-_FUSED_TARGET = "jax_fp4_wmatmul_v2"
+_FUSED_TARGET = "jax_fp4_wmatmul_v3"
 # (rows per CTA, k per super-step, resident CTAs per SM, fewest super-steps per split) of
 # the direct kernel (M <= 16), the staged kernel and the wgmma kernel by tile_m
 # (csrc/cuda/wmatmul.cu). The wgmma kernel splits K into runs of >= 12 steps: a sweep (S
@@ -679,17 +691,22 @@ def wmatmul_head_rows(m, n, k, tile_m, sms=None):
 
 
 def _wmatmul_fused(x, codes, scales, zeros, ts, *, fmt, block_size, two_level, out_dtype,
-                   precision, impl):
+                   precision, tiled, impl):
     """The fused kernel: one split writes the output in x's dtype (or float32) itself; K
     splits leave float32 partial sums that XLA adds and casts. A ragged last 256-row tile
-    becomes a second launch (wmatmul_head_rows)."""
+    becomes a second launch (wmatmul_head_rows). A weight in the prepared layout goes to
+    the wgmma kernel as it is (attribute `tiled`), to the mma.sync kernels linear."""
     m, k = x.shape
     tile_m, splits = wmatmul_grid(m, codes.shape[0], k)
+    if tiled and not tile_m:
+        codes, scales = _untiled(codes, scales, block_size, tiled)
+        tiled = False
     head = wmatmul_head_rows(m, codes.shape[0], k, tile_m)
     if head:
         part = functools.partial(_wmatmul_fused, codes=codes, scales=scales, zeros=zeros, ts=ts,
                                  fmt=fmt, block_size=block_size, two_level=two_level,
-                                 out_dtype=out_dtype, precision=precision, impl=impl)
+                                 out_dtype=out_dtype, precision=precision, tiled=tiled,
+                                 impl=impl)
         return jnp.concatenate([part(x[:head]), part(x[head:])], axis=0)
     final = splits == 1 and np.dtype(out_dtype) in (np.dtype(x.dtype), np.dtype(np.float32))
     if tile_m:
@@ -699,7 +716,7 @@ def _wmatmul_fused(x, codes, scales, zeros, ts, *, fmt, block_size, two_level, o
         jax.ShapeDtypeStruct((splits, m, codes.shape[0]), out_dtype if final else jnp.float32))(
         x, codes, scales, zeros, ts, **_attrs(fmt, block_size, two_level=two_level),
         splits=np.int64(splits), tile_m=np.int64(tile_m),
-        cluster=np.int64(wmatmul_cluster(fmt, m, tile_m)))
+        cluster=np.int64(wmatmul_cluster(fmt, m, tile_m)), tiled=np.int32(bool(tiled)))
     return part[0] if final else part.sum(0).astype(out_dtype)
 
 

@@ -7,7 +7,7 @@ import numpy as np
 
 from .formats import get_format
 
-SCALE_LAYOUTS = ("linear", "swizzled")
+SCALE_LAYOUTS = ("linear", "swizzled", "tiled")
 
 
 @jax.tree_util.register_pytree_node_class
@@ -21,7 +21,11 @@ class QArray:
         (rest..., K) float8_e4m3fn / float8_e5m2 for MXFP8.
       scales: one per block. ``scale_layout="linear"``: (rest..., K/block_size);
         ``"swizzled"``: the 2-D 128x4 tiled layout (ceil(rows/128)*32, ceil(nb/4)*16) with
-        rows = prod(rest), as cuBLASLt/CUTLASS read it. dtype float8_e4m3fn (nvfp4),
+        rows = prod(rest), as cuBLASLt/CUTLASS read it. ``"tiled"`` (made by
+        :func:`jax_fp4.prepare`, nvfp4 / mxfp4 weights): data and scales keep their linear
+        shapes, but the bytes of each 128-row x 128-k tile of the last two axes are stored
+        contiguously, tile by tile (jax_fp4.layout.tile_rows), as the fused W4A16 kernel
+        reads them. dtype float8_e4m3fn (nvfp4),
         float8_e8m0fnu (MX), float32 absmax (nf4, bnb_fp4), or bf16/f16/f32 (int4).
       tensor_scale: NVFP4 per-tensor decode scale (float32 scalar) or None.
       zeros: INT4 zero points, uint8 shaped like linear scales, or None.

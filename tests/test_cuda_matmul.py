@@ -100,7 +100,7 @@ def _check_fused(fmt, bs, kw, dtype, m, k, n, family, rng, splits=None, cluster=
     f32 = jax.jit(lambda x, q: jf.dot_general(x, q, (((1,), (0,)), ((), ())),
                                               preferred_element_type=jnp.float32))
     text = f32.lower(xg, qg).as_text()
-    assert "jax_fp4_wmatmul_v2" in text, f"{fmt} M={m} K={k}: fused kernel not used"
+    assert "jax_fp4_wmatmul_v3" in text, f"{fmt} M={m} K={k}: fused kernel not used"
     want_tile = primitives.wmatmul_grid(m, n, k)[0]
     assert f"tile_m = {want_tile} " in text, (m, want_tile)
     assert (want_tile > 0) == (family == "wgmma"), m
@@ -239,6 +239,53 @@ def test_fused_wgmma_multicast(fmt, bs, kw, dtype, rng, monkeypatch):
         np.testing.assert_array_equal(got[2], got[1], err_msg=f"{fmt} M={m} K={kk} N={n}")
 
 
+# A weight in the prepared layout (jax_fp4.prepare: each 128-row x 128-k tile's codes and
+# scales contiguous, copied by 1-D bulk copies) gives the linear layout's result bit for
+# bit: the kernel decodes and accumulates the same steps in the same order. Every tile
+# width (M = 1-300, two M tiles at 300), the bit and table paths of nvfp4 / mxfp4, K =
+# 1152 (9 steps: stages of two reach one step past K, which repeats the last step) with
+# S = 1 / 2 / 5 K-splits (5 + 4, 2 + 2 + 2 + 2 + 1: splits of odd step counts), K = 2048,
+# and 2-CTA clusters on N = 384 (3 tiles: the second cluster's second CTA lies past N and
+# copies no weight bytes).
+@pytest.mark.parametrize("fmt,bs,kw,dtype", [c for c in W_CASES if c[0] in ("nvfp4", "mxfp4")],
+                         ids=str)
+def test_fused_wgmma_prepared_layout(fmt, bs, kw, dtype, rng, monkeypatch):
+    assert jf.capabilities()["kernels"]["cuda"], jf.capabilities()["load_error"]
+    if not primitives.wgmma_available():
+        pytest.skip("the wgmma kernel needs a compute capability 9.0 GPU and an sm_90a build")
+    monkeypatch.setattr(primitives, "FUSED_MAX_M", 1 << 30)
+    cases = [(m, 1152, 256, s, None) for m in (1, 5, 13, 17, 33, 100, 300) for s in (None, 2, 5)]
+    cases += [(m, 2048, 384, None, None) for m in (1, 16, 64)] + [(520, 2048, 384, 3, 2)]
+    rule = primitives.wmatmul_splits
+    for m, k, n, splits, cluster in cases:
+        monkeypatch.setattr(primitives, "wmatmul_splits",
+                            lambda *a, _s=splits, **kk: _s or rule(*a, **kk))
+        monkeypatch.setattr(primitives, "_MULTICAST_MIN_M",
+                            dict.fromkeys(primitives.FUSED_FORMATS, 1 if cluster else None))
+        w = (rng.standard_normal((k, n)) * 10.0 ** rng.integers(-3, 3, size=(1, n))).astype(np.float32)
+        q = jf.quantize(jax.device_put(jnp.asarray(w), _cpu()), fmt, axis=0, block_size=bs, **kw)
+        qp = jf.prepare(q)
+        assert qp.scale_layout == "tiled"
+        x = jax.device_put(jnp.asarray(rng.standard_normal((m, k)), dtype), _gpu())
+        f32 = jax.jit(lambda x, q: jf.dot_general(x, q, (((1,), (0,)), ((), ())),
+                                                  preferred_element_type=jnp.float32))
+        qg, qpg = jax.device_put(q, _gpu()), jax.device_put(qp, _gpu())
+        text = f32.lower(x, qpg).as_text()
+        assert "jax_fp4_wmatmul_v3" in text and "tiled = 1 " in text, (m, k, n)
+        if splits:
+            assert f"splits = {splits} " in text, (m, k, splits)
+        if cluster:
+            assert "cluster = 2 " in text, m
+        got, want = np.asarray(f32(x, qpg)), np.asarray(f32(x, qg))
+        np.testing.assert_array_equal(got, want, err_msg=f"{fmt} {kw} M={m} K={k} N={n} S={splits}")
+        jf.set_backend("reference")
+        try:
+            w_ref = np.asarray(jax.jit(lambda q: q.dequantize(dtype))(q)).astype(np.float32)
+        finally:
+            jf.set_backend("auto")
+        _check(got, np.asarray(x, np.float32), w_ref, f"{fmt} {kw} prepared M={m} K={k} N={n}")
+
+
 def test_fused_wmatmul_nonfinite_and_vmap(rng):
     k, n = 256, 136
     w = rng.standard_normal((k, n)).astype(np.float32)
@@ -343,7 +390,7 @@ def test_fused_wgmma_ragged_last_tile(fmt, bs, kw, dtype, rng, monkeypatch):
     x = jax.device_put(jnp.zeros((m, k), dtype), _gpu())
     q = jax.device_put(jf.quantize(jnp.ones((k, n), jnp.float32), fmt, axis=0, block_size=bs, **kw), _gpu())
     text = jax.jit(lambda x, q: jf.matmul(x, q)).lower(x, q).as_text()
-    assert text.count("jax_fp4_wmatmul_v2") == 2 and "tile_m = 256 " in text and "tile_m = 64 " in text
+    assert text.count("jax_fp4_wmatmul_v3") == 2 and "tile_m = 256 " in text and "tile_m = 64 " in text
     _check_fused(fmt, bs, kw, dtype, m, k, n, "wgmma", rng)
 
 
@@ -379,7 +426,7 @@ def test_wmatmul_grad_and_large_m_path(rng):
     for m, fused in ((limit, True), (limit + 1, False)):
         xm = jax.device_put(jnp.zeros((m, k), jnp.bfloat16), _gpu())
         text = jax.jit(jf.matmul).lower(xm, q).as_text()
-        assert ("jax_fp4_wmatmul_v2" in text) == fused, m
+        assert ("jax_fp4_wmatmul_v3" in text) == fused, m
         assert ("jax_fp4_dequantize_v1" in text) == (not fused), m
 
 

@@ -1,4 +1,4 @@
-// CUDA FFI handlers for the fused W4A16 matmul (csrc/README.md: jax_fp4_wmatmul_v2, v1).
+// CUDA FFI handlers for the fused W4A16 matmul (csrc/README.md: jax_fp4_wmatmul_v3, v2, v1).
 //
 //   partial[z, m, n] = sum_{k in split z} x[m, k] * w[n, k]
 //
@@ -70,6 +70,8 @@ struct WParams {
   int out_f32;             // output float32 (else x's dtype: one split only)
   int scale_boxes;         // wgmma kernel: the scales come by TMA with the stages
   int stage_codes;         // wgmma kernel: a stage's codes come as one 3-D box (launch_wgmma)
+  int tiled;               // wgmma kernel: codes and scales in the prepared layout (launch_wgmma
+                           // picks the kernel instance; wg_tileable)
   int cluster;             // wgmma kernel at BN = 256: CTAs per cluster, 1 or 2 (x multicast)
 };
 
@@ -980,6 +982,25 @@ __host__ __device__ constexpr int wg_smem_for(int stage_bytes) {
          (BITS ? 0 : table_bytes<wg_copies<FMT, BN>()>() +
                      (wg_copies<FMT, BN>() == kLaneTable ? kLaneTableAlign - 1024 : 0));
 }
+// The prepared ("tiled") weight layout of jax_fp4.prepare (jax_fp4/layout.py, tile_rows):
+// the codes (128 rows x 64 bytes) and scales (128 rows x wg_tile_scale_row bytes) of each
+// 128-row x 128-k tile stored contiguously, the tiles ordered [row tile][step]; nvfp4 and
+// mxfp4 in their spec blocks (16, 32) with N % 128 == 0 and K % 128 == 0. A stage's codes
+// and scales are then two 1-D bulk copies of contiguous bytes (cp.async.bulk) that land
+// in the stage as [step][row][bytes]: no tensor maps, no 64-byte row pieces 4-14 KB apart
+// in DRAM. Harness on the H100, linear -> prepared, 8192 x 28672 / 28672 x 8192: nvfp4
+// M = 1 57.7 / 56.7 -> 50.1 / 50.3 us, mxfp4 55.8 / 54.0 -> 49.3 / 48.2, M = 64 -3-7%
+// (benchmarks/NOTES.md round 15). The kernel's TILED instance reads this layout.
+template <int FMT>
+__host__ __device__ constexpr bool wg_tileable() { return FMT == kNVFP4 || FMT == kMXFP4; }
+template <int FMT>  // a row's scale bytes per 128-k step: 8 E4M3 (nvfp4) or 4 E8M0 (mxfp4)
+__host__ __device__ constexpr int wg_tile_scale_row() { return FMT == kNVFP4 ? 8 : 4; }
+template <int FMT>  // a step's scales in the prepared layout
+__host__ __device__ constexpr int wg_tile_scale_bytes() { return kWgRows * wg_tile_scale_row<FMT>(); }
+template <int FMT, bool BITS, int BN>  // a stage's room for them (1024-aligned, as the stages)
+__host__ __device__ constexpr int wg_tiled_side_bytes() {
+  return wg_tileable<FMT>() ? (wg_sub<FMT, BITS, BN>() * wg_tile_scale_bytes<FMT>() + 1023) / 1024 * 1024 : 0;
+}
 // Whether the stages carry the scale boxes (see Pipeline below): BN <= 128 (BN = 256 is
 // bound by the tensor cores, and its three stages fill the SM), for nvfp4 only at BN <= 32
 // with stages of two steps (round 4 found its one 2-byte lane load per row and step faster
@@ -995,10 +1016,17 @@ __host__ __device__ constexpr bool wg_boxes() {
                                                      wg_side_bytes<FMT, BITS, BN>()) +
                           1024 + 2 * wg_stages<FMT, BITS, BN>() * 8) <= 228 * 1024;
 }
-// stage = [activation tiles | weight codes | boxes], the first two one per step it holds
+// stage = [activation tiles | weight codes | boxes or prepared scales], the first two one
+// per step it holds; the last the larger of the scale boxes' and the prepared scales' room
+template <int FMT, bool BITS, int BN>
+__host__ __device__ constexpr int wg_stage_side_bytes() {
+  return (wg_boxes<FMT, BITS, BN>() && wg_side_bytes<FMT, BITS, BN>() > wg_tiled_side_bytes<FMT, BITS, BN>())
+             ? wg_side_bytes<FMT, BITS, BN>()
+             : wg_tiled_side_bytes<FMT, BITS, BN>();
+}
 template <int FMT, bool BITS, int BN>
 __host__ __device__ constexpr int wg_stage_bytes() {
-  return wg_sub<FMT, BITS, BN>() * (wg_x_bytes<BN>() + kWgCodeBytes) + (wg_boxes<FMT, BITS, BN>() ? wg_side_bytes<FMT, BITS, BN>() : 0);
+  return wg_sub<FMT, BITS, BN>() * (wg_x_bytes<BN>() + kWgCodeBytes) + wg_stage_side_bytes<FMT, BITS, BN>();
 }
 template <int FMT, bool BITS, int BN>
 __host__ __device__ constexpr int wg_smem_bytes() {
@@ -1056,7 +1084,9 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
   } while (!done);
 }
 
-template <int FMT, bool BF16, bool BITS, int BN>
+// TILED: the weight in the prepared layout (a second instance: with the layout a runtime
+// flag, the linear layout's step loop grew and ran 1-4% slower on the harness)
+template <int FMT, bool BF16, bool BITS, int BN, bool TILED>
 __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma_kernel(
     const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap w_map,
     const __grid_constant__ CUtensorMap s_map, const __grid_constant__ CUtensorMap z_map,
@@ -1073,8 +1103,12 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
   constexpr int kX = wg_x_bytes<BN>(), kCodes = kSub * kX, kSide = kSub * (kX + kWgCodeBytes);
   constexpr int kBoxCols = wg_box_cols<FMT, BITS, BN>();
   constexpr int kPipe = kStages * kStage;
-  // the scale boxes come with the stages (launch_wgmma: where the scale rows allow)
-  const bool boxes = wg_boxes<FMT, BITS, BN>() && p.scale_boxes;
+  // the scales come with the stages: boxes (launch_wgmma: where the scale rows allow), or
+  // the prepared layout's bulk copies
+  constexpr bool kSideScales = wg_boxes<FMT, BITS, BN>() || wg_tileable<FMT>();
+  static_assert(!TILED || wg_tileable<FMT>(), "the prepared layout is nvfp4 / mxfp4 only");
+  constexpr bool tiled = TILED;
+  const bool boxes = (wg_boxes<FMT, BITS, BN>() && p.scale_boxes) || tiled;
   constexpr int kEpi = BN * kOutStride * 4;
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t full[kStages];   // stage j holds its step's activations
@@ -1138,9 +1172,19 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
   // bytes; for h = 0 with p.stage_codes, the stage's kSub steps of codes as one 3-D box),
   // and for h = 0 the stage's scale / zero-point boxes (128 rows x the kBoxCols bytes from
   // the 16-byte boundary at or before the stage's first block: a box must start on one,
-  // and the stage's kSub <= 2 steps' bytes fit, launch_wgmma). In a cluster of two, CTA r
-  // copies box r of the activation tile into stage j of both CTAs (TMA multicast, arriving
-  // on each one's full[j]): the pair reads the tile from L2 once.
+  // and the stage's kSub <= 2 steps' bytes fit, launch_wgmma). In the prepared layout
+  // (tiled) the stage's codes and scales instead, for h = 0, as one bulk copy each (one
+  // per step for a stage reaching past K, whose steps past K repeat the last: K % 128 == 0
+  // and N % 128 == 0, so no step is partial; a weight tile past N, cluster rounding, is
+  // not copied). In a cluster of two, CTA r copies box r of the activation tile into stage
+  // j of both CTAs (TMA multicast, arriving on each one's full[j]): the pair reads the
+  // tile from L2 once.
+  constexpr int kTileScales = wg_tile_scale_bytes<FMT>();
+  const uint8_t* tile_codes = codes + (n_cta / kWgRows) * p.n_steps * kWgCodeBytes;
+  const uint8_t* tile_scales = static_cast<const uint8_t*>(scales) + (n_cta / kWgRows) * p.n_steps * kTileScales;
+  // bytes a stage receives
+  const uint32_t stage_tx = tiled ? kSub * (kX + (n_cta < p.N ? kWgCodeBytes + kTileScales : 0))
+                                  : boxes ? kSide + wg_side_bytes<FMT, BITS, BN>() : kSide;
   auto copy_step = [&](int step, uint32_t j, int h) {
     const uint32_t bar = full_addr + 8 * j, stage = smem_addr + j * kStage, dst = stage + h * kX;
     auto copy = [&](uint32_t to, const CUtensorMap* map, int c0, int c1, uint64_t hint) {
@@ -1160,7 +1204,27 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
       copy(dst, &x_map, step * kWgStepK, m0, kEvictLast);
       copy(dst + BN * 128, &x_map, step * kWgStepK + 64, m0, kEvictLast);
     }
-    if (kSub == 1 || !p.stage_codes) {
+    if constexpr (tiled) {
+      auto bulk = [&](uint32_t to, const uint8_t* from, int bytes) {  // read once: evict first
+        asm volatile(
+            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+            " [%0], [%1], %2, [%3], %4;\n"
+            ::"r"(to), "l"(from), "r"(bytes), "r"(bar), "l"(kEvictFirst) : "memory");
+      };
+      if (h == 0 && n_cta < p.N) {
+        if (step + kSub <= p.n_steps) {
+          bulk(stage + kCodes, tile_codes + static_cast<int64_t>(step) * kWgCodeBytes, kSub * kWgCodeBytes);
+          bulk(stage + kSide, tile_scales + step * kTileScales, kSub * kTileScales);
+        } else {
+#pragma unroll
+          for (int hh = 0; hh < kSub; ++hh) {
+            const int64_t s = min(static_cast<int64_t>(step + hh), p.n_steps - 1);
+            bulk(stage + kCodes + hh * kWgCodeBytes, tile_codes + s * kWgCodeBytes, kWgCodeBytes);
+            bulk(stage + kSide + hh * kTileScales, tile_scales + s * kTileScales, kTileScales);
+          }
+        }
+      }
+    } else if (kSub == 1 || !p.stage_codes) {
       copy(stage + kCodes + h * kWgCodeBytes, &w_map, step * (kWgStepK / 2), n, kEvictFirst);
     } else if (h == 0) {  // w_map 3-D: (64 bytes, rows, 64-byte column blocks)
       asm volatile(
@@ -1169,7 +1233,7 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
           ::"r"(stage + kCodes), "l"(&w_map), "r"(0), "r"(n), "r"(step), "r"(bar), "l"(kEvictFirst) : "memory");
     }
     if constexpr (wg_boxes<FMT, BITS, BN>()) {
-      if (boxes && h == 0) {  // a scale row's 128-byte line serves 8-16 steps: normal eviction
+      if (boxes && !tiled && h == 0) {  // a scale row's 128-byte line serves 8-16 steps: normal eviction
         const int b0 = (step * kWgStepK) >> p.bs_shift;
         copy(stage + kSide, &s_map, (b0 * scale_bytes<FMT>(p)) & ~15, n, kEvictNormal);
         if constexpr (FMT == kINT4) copy(stage + kSide + kWgRows * kBoxCols, &z_map, b0 & ~15, n, kEvictNormal);
@@ -1180,7 +1244,7 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
   // split's or zeros past K, and not used)
   auto stage_step = [&](int step0, uint32_t j) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n"
-                 ::"r"(full_addr + 8 * j), "r"(boxes ? kStage : kSide)
+                 ::"r"(full_addr + 8 * j), "r"(stage_tx)
                  : "memory");
 #pragma unroll
     for (int h = 0; h < kSub; ++h) copy_step(step0 + h, j, h);
@@ -1274,7 +1338,8 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
   const uint8_t* wc0 = smem + kCodes + wrow * 64 + 16 * t;
   // the lane's scale rows in a stage's box, and its first block counted from the step's
   // first block (blocks longer than a step: 0)
-  const uint8_t* sb0 = smem + kSide + wrow * kBoxCols;
+  constexpr int srow = tiled ? wg_tile_scale_row<FMT>() : kBoxCols;  // bytes per row of the scales
+  const uint8_t* sb0 = smem + kSide + wrow * srow;
   const int lane_block = (32 * t) >> p.bs_shift;
   for (int s0 = step_begin; s0 < step_end; s0 += kDepth)
 #pragma unroll
@@ -1288,17 +1353,18 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
     const int hs = u % kSub;  // the step's place in its stage
     const uint64_t desc = desc0 + js * (kStage >> 4) + ((hs * kX) >> 4);
     if (hs == 0) mbar_wait(full_addr + 8 * js, par);
-    if constexpr (wg_boxes<FMT, BITS, BN>()) {
-      if (boxes) {  // the step's first block, counted from its stage's box (copy_step)
+    if constexpr (kSideScales) {
+      if (boxes) {  // the step's first block, counted from its stage's box (copy_step), or
+                    // the step's scales in the prepared layout
         const int b0 = (step * kWgStepK) >> p.bs_shift, b0s = ((step - hs) * kWgStepK) >> p.bs_shift;
         const int size = scale_bytes<FMT>(p);
-        const uint8_t* sb = sb0 + js * kStage + (b0 * size - ((b0s * size) & ~15));
+        const uint8_t* sb = sb0 + js * kStage + (tiled ? hs * kTileScales : b0 * size - ((b0s * size) & ~15));
         const uint8_t* zb = sb0 + js * kStage + kWgRows * kBoxCols + (b0 - (b0s & ~15));
 #pragma unroll
         for (int h = 0; h < 2; ++h)
           chunk_scales<FMT, BITS>(
               cur[h],
-              [&](auto n, int off) { return lds_bytes<decltype(n)::value>(sb + h * 8 * kBoxCols + off); },
+              [&](auto n, int off) { return lds_bytes<decltype(n)::value>(sb + h * 8 * srow + off); },
               [&](auto n, int off) { return lds_bytes<decltype(n)::value>(zb + h * 8 * kBoxCols + off); },
               lane_block, p.bs == 16, p);
       }
@@ -1484,11 +1550,17 @@ template <int FMT, bool BF16, bool BITS, int BN>
 cudaError_t launch_wgmma(cudaStream_t stream, const uint16_t* xp, const uint8_t* cp,
                          const void* sp, const uint8_t* zp, const float* tp, void* out,
                          const WParams& p, int splits) {
-  auto kernel = wmatmul_wgmma_kernel<FMT, BF16, BITS, BN>;
+  const bool tiled = wg_tileable<FMT>() && p.tiled;
+  auto kernel = tiled ? wmatmul_wgmma_kernel<FMT, BF16, BITS, BN, wg_tileable<FMT>()>
+                      : wmatmul_wgmma_kernel<FMT, BF16, BITS, BN, false>;
   constexpr int kSmem = wg_smem_bytes<FMT, BITS, BN>();
   static_assert(kSmem <= 227 * 1024, "the stages, epilogue and table must fit an SM's shared memory");
-  static const cudaError_t ready = prepare_wgmma(kernel, kSmem);
-  if (ready != cudaSuccess) return ready;
+  static_assert(wg_ctas<BN>() * (kSmem + 1024 + 3 * wg_stages<FMT, BITS, BN>() * 8) <= 228 * 1024,
+                "the CTAs per SM the kernel is built for must fit an SM's shared memory");
+  static const cudaError_t ready = prepare_wgmma(wmatmul_wgmma_kernel<FMT, BF16, BITS, BN, false>, kSmem);
+  static const cudaError_t ready_tiled =
+      prepare_wgmma(wmatmul_wgmma_kernel<FMT, BF16, BITS, BN, wg_tileable<FMT>()>, kSmem);
+  if ((tiled ? ready_tiled : ready) != cudaSuccess) return tiled ? ready_tiled : ready;
   // x permuted (M, K128): boxes of BN rows x 64 k into the 128-byte swizzle the wgmma
   // descriptor names; codes (N, K / 2) bytes: boxes of 128 rows x 64 bytes (K % 32 == 0,
   // so rows are 16-byte aligned)
@@ -1507,8 +1579,14 @@ cudaError_t launch_wgmma(cudaStream_t stream, const uint16_t* xp, const uint8_t*
   // 64 bytes per step.
   WParams q = p;
   constexpr int kSub = wg_sub<FMT, BITS, BN>();
-  q.stage_codes = kSub > 1 && p.K % kWgStepK == 0;
-  if (e == cudaSuccess && q.stage_codes) {
+  q.stage_codes = !tiled && kSub > 1 && p.K % kWgStepK == 0;
+  CUtensorMap s_map = {}, z_map = {};
+  if (tiled) {  // the prepared layout: 1-D bulk copies (WMatmulImpl checked the shapes)
+    w_map = {};
+    q.scale_boxes = 0;
+    if (reinterpret_cast<uintptr_t>(cp) % 16 != 0 || reinterpret_cast<uintptr_t>(sp) % 16 != 0)
+      return cudaErrorMisalignedAddress;
+  } else if (e == cudaSuccess && q.stage_codes) {
     const cuuint64_t dims[3] = {kWgStepK / 2, static_cast<cuuint64_t>(p.N), static_cast<cuuint64_t>(p.K / kWgStepK)};
     const cuuint64_t strides[2] = {static_cast<cuuint64_t>(p.K / 2), kWgStepK / 2};
     const cuuint32_t box[3] = {kWgStepK / 2, kWgRows, kSub};
@@ -1520,27 +1598,28 @@ cudaError_t launch_wgmma(cudaStream_t stream, const uint16_t* xp, const uint8_t*
                       CU_TENSOR_MAP_L2_PROMOTION_L2_128B);
   }
   if (e != cudaSuccess) return e;
-  // Scale (and zero-point) boxes of 128 rows x 16 bytes per step of a stage, where the
-  // stages have room, TMA can address the rows (row bytes % 16 == 0) and a step's scale
-  // bytes, a power of two, fit in 16 (then they never straddle two aligned 16-byte boxes;
-  // all but 32-bit scales in blocks of 16, and a stage's two steps' bytes lie within 32
-  // bytes from the boundary before the first); else the lanes load the scales from
-  // global memory.
-  const int esize = scale_bytes<FMT>(p);
-  const int lane_end = ((96 >> p.bs_shift) + (p.bs == 16 ? 2 : 1)) * esize;  // lane t = 3
-  q.scale_boxes = wg_boxes<FMT, BITS, BN>() && (p.nb * esize) % 16 == 0 && lane_end <= kWgBoxCols &&
-                  (FMT != kINT4 || p.nb % 16 == 0) && reinterpret_cast<uintptr_t>(sp) % 16 == 0 &&
-                  (FMT != kINT4 || reinterpret_cast<uintptr_t>(zp) % 16 == 0);
-  CUtensorMap s_map = {}, z_map = {};
-  if (q.scale_boxes) {
-    e = tensor_map_2d(&s_map, CU_TENSOR_MAP_DATA_TYPE_UINT8, sp, p.N, p.nb * esize, p.nb * esize,
-                      kWgRows, wg_box_cols<FMT, BITS, BN>(), CU_TENSOR_MAP_SWIZZLE_NONE,
-                      CU_TENSOR_MAP_L2_PROMOTION_L2_128B);
-    if (e == cudaSuccess && FMT == kINT4)
-      e = tensor_map_2d(&z_map, CU_TENSOR_MAP_DATA_TYPE_UINT8, zp, p.N, p.nb, p.nb, kWgRows,
-                        wg_box_cols<FMT, BITS, BN>(), CU_TENSOR_MAP_SWIZZLE_NONE,
+  if (!tiled) {
+    // Scale (and zero-point) boxes of 128 rows x 16 bytes per step of a stage, where the
+    // stages have room, TMA can address the rows (row bytes % 16 == 0) and a step's scale
+    // bytes, a power of two, fit in 16 (then they never straddle two aligned 16-byte boxes;
+    // all but 32-bit scales in blocks of 16, and a stage's two steps' bytes lie within 32
+    // bytes from the boundary before the first); else the lanes load the scales from
+    // global memory.
+    const int esize = scale_bytes<FMT>(p);
+    const int lane_end = ((96 >> p.bs_shift) + (p.bs == 16 ? 2 : 1)) * esize;  // lane t = 3
+    q.scale_boxes = wg_boxes<FMT, BITS, BN>() && (p.nb * esize) % 16 == 0 && lane_end <= kWgBoxCols &&
+                    (FMT != kINT4 || p.nb % 16 == 0) && reinterpret_cast<uintptr_t>(sp) % 16 == 0 &&
+                    (FMT != kINT4 || reinterpret_cast<uintptr_t>(zp) % 16 == 0);
+    if (q.scale_boxes) {
+      e = tensor_map_2d(&s_map, CU_TENSOR_MAP_DATA_TYPE_UINT8, sp, p.N, p.nb * esize, p.nb * esize,
+                        kWgRows, wg_box_cols<FMT, BITS, BN>(), CU_TENSOR_MAP_SWIZZLE_NONE,
                         CU_TENSOR_MAP_L2_PROMOTION_L2_128B);
-    if (e != cudaSuccess) return e;
+      if (e == cudaSuccess && FMT == kINT4)
+        e = tensor_map_2d(&z_map, CU_TENSOR_MAP_DATA_TYPE_UINT8, zp, p.N, p.nb, p.nb, kWgRows,
+                          wg_box_cols<FMT, BITS, BN>(), CU_TENSOR_MAP_SWIZZLE_NONE,
+                          CU_TENSOR_MAP_L2_PROMOTION_L2_128B);
+      if (e != cudaSuccess) return e;
+    }
   }
   // clusters of p.cluster CTAs (jax_fp4/primitives.py, wmatmul_cluster), the weight tiles
   // rounded up to whole clusters (the kernel's raster)
@@ -1614,11 +1693,11 @@ ffi::Error launch_fmt(cudaStream_t stream, const ffi::AnyBuffer& x, const ffi::A
   }
   if (e == cudaErrorNoKernelImageForDevice && tile_m > 0)
     return ffi::Error::InvalidArgument(
-        "jax_fp4_wmatmul_v2 (CUDA): attribute `tile_m` = " + std::to_string(tile_m) +
+        "jax_fp4_wmatmul (CUDA): attribute `tile_m` = " + std::to_string(tile_m) +
         " asks for the wgmma kernel, which needs a compute capability 9.0 GPU and a build for "
         "sm_90a (CUDAARCHS containing 90a); use tile_m = 0");
   if (e != cudaSuccess)
-    return ffi::Error::Internal(std::string("jax_fp4_wmatmul_v2 (CUDA): ") + cudaGetErrorString(e));
+    return ffi::Error::Internal(std::string("jax_fp4_wmatmul (CUDA): ") + cudaGetErrorString(e));
   return ffi::Error::Success();
 }
 
@@ -1639,8 +1718,9 @@ ffi::Error launch(int fmt, cudaStream_t stream, const ffi::AnyBuffer& x, const f
 ffi::Error WMatmulImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer codes,
                        ffi::AnyBuffer scales, ffi::AnyBuffer zeros, ffi::AnyBuffer ts,
                        ffi::Result<ffi::AnyBuffer> out, int32_t fmt, int64_t block_size,
-                       int32_t two_level, int64_t splits, int64_t tile_m, int64_t cluster) {
-  const std::string where = "jax_fp4_wmatmul_v2 (CUDA)";
+                       int32_t two_level, int64_t splits, int64_t tile_m, int64_t cluster,
+                       int32_t tiled) {
+  const std::string where = "jax_fp4_wmatmul (CUDA)";
   JF4_RETURN_IF_ERROR(check_dtype(where, "x", x.element_type(),
                                   {ffi::DataType::BF16, ffi::DataType::F16}));
   if (fmt != kNVFP4 && fmt != kMXFP4 && fmt != kNF4 && fmt != kBNB_FP4 && fmt != kINT4)
@@ -1656,6 +1736,14 @@ ffi::Error WMatmulImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer cod
   if (codes.dimensions().size() != 2)
     return invalid(where, "buffer `codes` must be 2-D (N, K/2), got shape " + dims_str(codes.dimensions()));
   const int64_t K = 2 * codes.dimensions()[1];
+  if (tiled != 0 && tiled != 1)
+    return invalid(where, "attribute `tiled` = " + std::to_string(tiled) + " must be 0 or 1");
+  if (tiled && ((fmt != kNVFP4 && fmt != kMXFP4) || tile_m == 0 ||
+                codes.dimensions()[0] % kWgRows != 0 || K % kWgStepK != 0))
+    return invalid(where, "attribute `tiled` = 1 (the prepared weight layout) needs fmt nvfp4 or "
+                          "mxfp4, the wgmma kernel (tile_m > 0), N % 128 == 0 and K % 128 == 0, got "
+                          "fmt = " + std::to_string(fmt) + ", tile_m = " + std::to_string(tile_m) +
+                              ", codes shape " + dims_str(codes.dimensions()));
   // the wgmma kernel takes x permuted within 128-k blocks and zero-padded to them
   const int64_t x_cols = tile_m > 0 ? (K + kWgStepK - 1) / kWgStepK * kWgStepK : K;
   if (x.dimensions().size() != 2 || x.dimensions()[1] != x_cols)
@@ -1727,6 +1815,7 @@ ffi::Error WMatmulImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer cod
   w.out_f32 = out->element_type() == ffi::DataType::F32;
   w.scale_boxes = 0;  // launch_wgmma decides
   w.stage_codes = 0;  // launch_wgmma decides
+  w.tiled = tiled;
   w.cluster = static_cast<int>(cluster);
   void* o = out->untyped_data();
   return x.element_type() == ffi::DataType::BF16
@@ -1734,22 +1823,29 @@ ffi::Error WMatmulImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer cod
              : launch<false>(fmt, stream, x, codes, scales, zeros, ts, o, w, static_cast<int>(splits), tile_m);
 }
 
-// jax_fp4_wmatmul_v1: v2 without the `cluster` attribute (clusters of 1), for artifacts
-// that name it
+// jax_fp4_wmatmul_v1 / v2: v3 without the `cluster` (clusters of 1) and `tiled` (the
+// linear layout) attributes, for artifacts that name them
 ffi::Error WMatmulV1Impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer codes,
                          ffi::AnyBuffer scales, ffi::AnyBuffer zeros, ffi::AnyBuffer ts,
                          ffi::Result<ffi::AnyBuffer> out, int32_t fmt, int64_t block_size,
                          int32_t two_level, int64_t splits, int64_t tile_m) {
   return WMatmulImpl(stream, x, codes, scales, zeros, ts, out, fmt, block_size, two_level, splits,
-                     tile_m, 1);
+                     tile_m, 1, 0);
+}
+ffi::Error WMatmulV2Impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer codes,
+                         ffi::AnyBuffer scales, ffi::AnyBuffer zeros, ffi::AnyBuffer ts,
+                         ffi::Result<ffi::AnyBuffer> out, int32_t fmt, int64_t block_size,
+                         int32_t two_level, int64_t splits, int64_t tile_m, int64_t cluster) {
+  return WMatmulImpl(stream, x, codes, scales, zeros, ts, out, fmt, block_size, two_level, splits,
+                     tile_m, cluster, 0);
 }
 
 auto WMatmulBinding() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::PlatformStream<cudaStream_t>>()
       .Arg<ffi::AnyBuffer>()  // x (M, K) bf16/f16 (tile_m > 0: (M or M rounded up to tile_m, K128), permuted)
-      .Arg<ffi::AnyBuffer>()  // codes (N, K/2) u8
-      .Arg<ffi::AnyBuffer>()  // scales (N, K/bs)
+      .Arg<ffi::AnyBuffer>()  // codes (N, K/2) u8 (tiled: the prepared layout)
+      .Arg<ffi::AnyBuffer>()  // scales (N, K/bs) (tiled: the prepared layout)
       .Arg<ffi::AnyBuffer>()  // zeros (N, K/bs) u8 or (0,)
       .Arg<ffi::AnyBuffer>()  // ts (N,) f32
       .Ret<ffi::AnyBuffer>()  // partial sums (S, M, N) f32, or x's dtype when S = 1
@@ -1766,5 +1862,7 @@ auto WMatmulBinding() {
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4WMatmulV1Cuda, jf4::cuda::WMatmulV1Impl,
                               jf4::cuda::WMatmulBinding());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4WMatmulV2Cuda, jf4::cuda::WMatmulImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4WMatmulV2Cuda, jf4::cuda::WMatmulV2Impl,
                               jf4::cuda::WMatmulBinding().Attr<int64_t>("cluster"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4WMatmulV3Cuda, jf4::cuda::WMatmulImpl,
+                              jf4::cuda::WMatmulBinding().Attr<int64_t>("cluster").Attr<int32_t>("tiled"));

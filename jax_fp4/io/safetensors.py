@@ -31,6 +31,7 @@ import ml_dtypes
 import numpy as np
 
 from ..formats import get_format
+from ..ops import prepare, unprepare
 from ..qarray import QArray
 
 __all__ = ["save", "load", "read_header", "describe", "CheckpointError", "QARRAY_PARTS",
@@ -91,6 +92,7 @@ def _flatten(tree):
             raise ValueError("tree: expected a container (dict, list, module, state) of "
                              "arrays, got a bare leaf; wrap it, e.g. {'w': x}")
         if isinstance(leaf, QArray):
+            leaf = unprepare(leaf)  # checkpoints hold the linear layout (PyTorch peers read it)
             f = leaf.fmt
             qmeta[name] = {
                 "format": leaf.format, "shape": list(leaf.shape), "axis": leaf.axis,
@@ -373,6 +375,8 @@ def load(path, target=None, *, strict: bool = True):
                                   f"{_describe_leaf(leaf)})")
         got = flat[name]
         if isinstance(leaf, QArray):
+            if isinstance(got, QArray) and leaf.scale_layout == "tiled" == prepare(got).scale_layout:
+                got = prepare(got)  # files hold the linear layout; a prepared target gets its own
             if not isinstance(got, QArray):
                 raise CheckpointError(f"{path}: tensor {name!r}: expected a {leaf.format} QArray "
                                       f"of shape {leaf.shape}, got a plain {_dt_str(got.dtype)} "
