@@ -321,6 +321,12 @@ def test_wmatmul_handler_rejects_foreign_block_size(fmt, bs):
     with pytest.raises(Exception, match=rf"`block_size` = {bs}: the fused kernel decodes nvfp4"):
         jax.block_until_ready(jax.jit(lambda *a: call(
             *a, **primitives._attrs(fmt, bs, two_level=False), splits=np.int64(1),
+            tile_m=np.int64(0), cluster=np.int64(1), tiled=np.int32(0)))(*args))
+    # jax_fp4_wmatmul_v2 (artifacts from before the `tiled` attribute) still binds
+    v2 = jax.ffi.ffi_call("jax_fp4_wmatmul_v2", jax.ShapeDtypeStruct((1, m, n), jnp.float32))
+    with pytest.raises(Exception, match=rf"`block_size` = {bs}: the fused kernel decodes nvfp4"):
+        jax.block_until_ready(jax.jit(lambda *a: v2(
+            *a, **primitives._attrs(fmt, bs, two_level=False), splits=np.int64(1),
             tile_m=np.int64(0), cluster=np.int64(1)))(*args))
     # jax_fp4_wmatmul_v1 (artifacts from before the `cluster` attribute) still binds
     v1 = jax.ffi.ffi_call("jax_fp4_wmatmul_v1", jax.ShapeDtypeStruct((1, m, n), jnp.float32))
@@ -332,7 +338,27 @@ def test_wmatmul_handler_rejects_foreign_block_size(fmt, bs):
     with pytest.raises(Exception, match=r"`cluster` = 2 must be 1, or 2 with tile_m = 256 \(got tile_m = 0\)"):
         jax.block_until_ready(jax.jit(lambda *a: call(
             *a, **primitives._attrs(fmt, bs, two_level=False), splits=np.int64(1),
-            tile_m=np.int64(0), cluster=np.int64(2)))(*args))
+            tile_m=np.int64(0), cluster=np.int64(2), tiled=np.int32(0)))(*args))
+
+
+def test_wmatmul_handler_rejects_bad_tiled_calls():
+    """The prepared layout (attribute `tiled`) only for nvfp4 / mxfp4 on the wgmma kernel
+    with N and K multiples of 128: any other call gets an error naming the attribute."""
+    assert jf.capabilities()["kernels"]["cuda"], jf.capabilities()["load_error"]  # registers
+    call = lambda m, n: jax.ffi.ffi_call(primitives._FUSED_TARGET,  # noqa: E731
+                                         jax.ShapeDtypeStruct((1, m, n), jnp.float32))
+    for fmt, bs, k, n, tile_m, tiled in (("nvfp4", 16, 256, 200, 8, 1), ("nvfp4", 16, 288, 128, 8, 1),
+                                         ("nf4", 64, 256, 128, 8, 1), ("mxfp4", 32, 256, 128, 0, 1),
+                                         ("mxfp4", 32, 256, 128, 8, 2)):
+        m = 4
+        scales = jnp.zeros((n, k // bs), jnp.float32 if fmt == "nf4" else jnp.uint8)
+        args = jax.device_put((jnp.ones((m, -(-k // 128) * 128 if tile_m else k), jnp.bfloat16),
+                               jnp.zeros((n, k // 2), jnp.uint8), scales,
+                               jnp.zeros((0,), jnp.uint8), jnp.ones((n,), jnp.float32)), _gpu())
+        with pytest.raises(Exception, match=r"attribute `tiled` = \d"):
+            jax.block_until_ready(jax.jit(lambda *a: call(m, n)(
+                *a, **primitives._attrs(fmt, bs, two_level=False), splits=np.int64(1),
+                tile_m=np.int64(tile_m), cluster=np.int64(1), tiled=np.int32(tiled)))(*args))
 
 
 @pytest.mark.parametrize("m,k,n", [(33, 640, 136), (129, 1024, 264)])
@@ -373,7 +399,7 @@ def test_fused_wgmma_padded_x_rows(m, k, n, rng, monkeypatch):
                                         r"rounded up to tile_m \(16\), got 5"):
         jax.block_until_ready(jax.jit(lambda *a: call(
             *a, **primitives._attrs("nvfp4", 16, two_level=False), splits=np.int64(1),
-            tile_m=np.int64(16), cluster=np.int64(1)))(*args))
+            tile_m=np.int64(16), cluster=np.int64(1), tiled=np.int32(0)))(*args))
 
 
 @pytest.mark.parametrize("fmt,bs,kw,dtype", [W_CASES[0], W_CASES[2], W_CASES[3]], ids=str)
