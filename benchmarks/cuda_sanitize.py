@@ -64,4 +64,15 @@ for fmt, bs, kw in mm_cases if "matmul" in parts else []:
                 jax.block_until_ready(jf.matmul(jnp.asarray(rng.standard_normal((m, k)), dtype), q))
                 n += 1
             primitives._GRID_MIN_FILL = grid_fill
+# the prepared layout (jax_fp4.prepare: 1-D bulk copies): N = 256, K = 1152 (9 steps: a
+# stage of two reaching past K) and 2048, every tile width from 8 to 256
+for fmt, bs, kw in mm_cases[:3] if "matmul" in parts else []:
+    for k in (1152, 2048):
+        q = jf.prepare(jf.quantize(jnp.asarray(rng.standard_normal((k, 256)), jnp.float32), fmt,
+                                   axis=0, block_size=bs, **kw))
+        assert q.scale_layout == "tiled"
+        for dtype in (jnp.bfloat16, jnp.float16):
+            for m in (1, 13, 33, 100, 300):
+                jax.block_until_ready(jf.matmul(jnp.asarray(rng.standard_normal((m, k)), dtype), q))
+                n += 1
 print(f"cuda_sanitize: {n} kernel launches checked")
