@@ -149,3 +149,14 @@ def untile_rows(a, per_step: int):
     *lead, rows, cols = a.shape
     t = a.reshape(*lead, rows // TILE_ROWS, cols // per_step, TILE_ROWS, per_step)
     return jnp.swapaxes(t, -3, -2).reshape(a.shape)
+
+
+def tile_weight(codes, scales, block_size: int):
+    """A 4-bit weight's packed codes (..., N, K/2) uint8 and block scales (..., N,
+    K/block_size) into the prepared layout (:func:`tile_rows` of each)."""
+    return tile_rows(codes, TILE_K // 2), tile_rows(scales, TILE_K // block_size)
+
+
+def untile_weight(codes, scales, block_size: int):
+    """Inverse of :func:`tile_weight`."""
+    return untile_rows(codes, TILE_K // 2), untile_rows(scales, TILE_K // block_size)

@@ -196,8 +196,7 @@ def _qarray_rows(q: QArray, keep_tiled=False):
     nb = k // q.block_size
     scales = q.scales
     if q.scale_layout == "tiled" and not keep_tiled:
-        data = layout.untile_rows(data, layout.TILE_K // 2)
-        scales = layout.untile_rows(scales, layout.TILE_K // q.block_size)
+        data, scales = layout.untile_weight(data, scales, q.block_size)
     codes = data.reshape(rows, data.shape[-1])
     if q.scale_layout == "swizzled":
         if q._dropped:
@@ -265,12 +264,15 @@ def prepare(q: QArray) -> QArray:
       TypeError: q is not a QArray.
     """
     _check_qarray(q, "q")
-    if not _tileable(q):
-        return q
-    return QArray(layout.tile_rows(q.data, layout.TILE_K // 2),
-                  layout.tile_rows(q.scales, layout.TILE_K // q.block_size), q.tensor_scale,
-                  q.zeros, format=q.format, axis=q._axis, shape=q._shape, dtype=q.dtype,
-                  block_size=q.block_size, scale_layout="tiled")
+    return _relayout(q, layout.tile_weight, "tiled") if _tileable(q) else q
+
+
+def _relayout(q: QArray, move, scale_layout):
+    """q with (data, scales) = move(data, scales, block_size) and the given layout tag."""
+    data, scales = move(q.data, q.scales, q.block_size)
+    return QArray(data, scales, q.tensor_scale, q.zeros, format=q.format, axis=q._axis,
+                  shape=q._shape, dtype=q.dtype, block_size=q.block_size,
+                  scale_layout=scale_layout)
 
 
 def _tileable(q: QArray) -> bool:
@@ -285,12 +287,7 @@ def unprepare(q: QArray) -> QArray:
     """Inverse of :func:`prepare`: a ``"tiled"`` QArray back in the linear layout (others
     unchanged). Raises TypeError if q is not a QArray."""
     _check_qarray(q, "q")
-    if q.scale_layout != "tiled":
-        return q
-    return QArray(layout.untile_rows(q.data, layout.TILE_K // 2),
-                  layout.untile_rows(q.scales, layout.TILE_K // q.block_size), q.tensor_scale,
-                  q.zeros, format=q.format, axis=q._axis, shape=q._shape, dtype=q.dtype,
-                  block_size=q.block_size, scale_layout="linear")
+    return _relayout(q, layout.untile_weight, "linear") if q.scale_layout == "tiled" else q
 
 
 def fake_quantize(x, format="nvfp4", *, axis=-1, tensor_scale=None, block_size=None,

@@ -380,10 +380,7 @@ def _wmatmul_abstract(x, codes, scales, zeros, ts, *, out_dtype, **_):
 def _untiled(codes, scales, block_size, tiled):
     """The linear layout of a weight's codes and scales given in the prepared ("tiled")
     layout of jax_fp4.prepare (jax_fp4.layout.tile_rows), or them as they are."""
-    if not tiled:
-        return codes, scales
-    return (layout.untile_rows(codes, layout.TILE_K // 2),
-            layout.untile_rows(scales, layout.TILE_K // block_size))
+    return layout.untile_weight(codes, scales, block_size) if tiled else (codes, scales)
 
 
 def _wmatmul_compose(dequantize, x, codes, scales, zeros, ts, *, fmt, block_size, two_level,
