@@ -1105,8 +1105,8 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
   constexpr int kPipe = kStages * kStage;
   // the scales come with the stages: boxes (launch_wgmma: where the scale rows allow), or
   // the prepared layout's bulk copies
-  constexpr bool kSideScales = wg_boxes<FMT, BITS, BN>() || wg_tileable<FMT>();
   static_assert(!TILED || wg_tileable<FMT>(), "the prepared layout is nvfp4 / mxfp4 only");
+  constexpr bool kSideScales = wg_boxes<FMT, BITS, BN>() || TILED;
   constexpr bool tiled = TILED;
   const bool boxes = (wg_boxes<FMT, BITS, BN>() && p.scale_boxes) || tiled;
   constexpr int kEpi = BN * kOutStride * 4;
