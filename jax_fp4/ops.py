@@ -112,7 +112,7 @@ def _quant_params(f, block_size, scale_rounding, ts, scale_dtype):
 
 
 def _quantize_args(x, format, axis, block_size, tensor_scale, scale_layout, scale_rounding,
-             scale_dtype):
+                   scale_dtype):
     x = _check_float(x, "x")
     f = get_format(format)
     if x.ndim == 0:
@@ -159,8 +159,8 @@ def quantize(x, format="nvfp4", *, axis=-1, tensor_scale=None, block_size=None,
         block size, block size not allowed for the format, options that do not apply to
         the format, non-scalar or invalid concrete tensor_scale.
     """
-    f, x, axis, x2, rest, ts, params = _quantize_args(x, format, axis, block_size, tensor_scale,
-                                                scale_layout, scale_rounding, scale_dtype)
+    f, x, axis, x2, rest, ts, params = _quantize_args(
+        x, format, axis, block_size, tensor_scale, scale_layout, scale_rounding, scale_dtype)
     rows, k = x2.shape
     codes, scales, zeros = primitives.quantize_p.bind(
         x2, _row_ts(ts, rows), swizzled=scale_layout == "swizzled", **params)
@@ -302,8 +302,8 @@ def fake_quantize(x, format="nvfp4", *, axis=-1, tensor_scale=None, block_size=N
     Returns:
       array with x's shape and dtype.
     """
-    f, x, axis, x2, rest, ts, params = _quantize_args(x, format, axis, block_size, tensor_scale,
-                                                "linear", scale_rounding, scale_dtype)
+    f, x, axis, x2, rest, ts, params = _quantize_args(
+        x, format, axis, block_size, tensor_scale, "linear", scale_rounding, scale_dtype)
     y = primitives.fake_quantize_p.bind(x2, _row_ts(ts, x2.shape[0]), **params)
     return _from_rows(y, rest, axis)
 

@@ -375,8 +375,10 @@ def load(path, target=None, *, strict: bool = True):
                                   f"{_describe_leaf(leaf)})")
         got = flat[name]
         if isinstance(leaf, QArray):
-            if isinstance(got, QArray) and leaf.scale_layout == "tiled" == prepare(got).scale_layout:
-                got = prepare(got)  # files hold the linear layout; a prepared target gets its own
+            if isinstance(got, QArray) and leaf.scale_layout == "tiled":
+                prepared = prepare(got)  # files hold the linear layout; a prepared target
+                if prepared.scale_layout == "tiled":  # gets its own where it applies
+                    got = prepared
             if not isinstance(got, QArray):
                 raise CheckpointError(f"{path}: tensor {name!r}: expected a {leaf.format} QArray "
                                       f"of shape {leaf.shape}, got a plain {_dt_str(got.dtype)} "
