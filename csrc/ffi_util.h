@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -90,13 +89,15 @@ inline const char* dtype_name(ffi::DataType t) {
   }
 }
 
+// A shape as text, "(200, 128)". With std::string only: the same function through
+// std::ostringstream crashed the process (segfault) when a CUDA handler built an error
+// message with it under jax 0.11.2's CUDA plugin (benchmarks/NOTES.md round 16); the
+// stream's template code is instantiated in the extension and exported as weak symbols,
+// which another library loaded in that process can interpose.
 inline std::string dims_str(ffi::AnyBuffer::Dimensions d) {
-  std::ostringstream os;
-  os << "(";
-  for (size_t i = 0; i < d.size(); ++i) os << (i ? ", " : "") << d[i];
-  if (d.size() == 1) os << ",";
-  os << ")";
-  return os.str();
+  std::string s = "(";
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + (d.size() == 1 ? ",)" : ")");
 }
 
 inline ffi::Error invalid(const std::string& where, const std::string& msg) {
