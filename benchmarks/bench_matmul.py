@@ -189,7 +189,7 @@ def main(argv=None):
                     help="nvfp4 weights with their fp32 per-tensor scale (two-level)")
     ap.add_argument("--prepare", action="store_true",
                     help="also each format's weights through jax_fp4.prepare (W4A16), where "
-                         "it applies (nvfp4, mxfp4)")
+                         "it applies (jax_fp4.layout.tileable)")
     ap.add_argument("--results", default=os.path.join(os.path.dirname(__file__), "RESULTS.md"))
     args = ap.parse_args(argv)
     dev = jax.devices()[0]

@@ -14,7 +14,7 @@
 //        jax_fp4.primitives.wmatmul_splits(M, N, K, sms, TILE_M) gives them; CLUSTER 2:
 //        TILE_M 256 in 2-CTA clusters that multicast x (primitives.wmatmul_cluster);
 //        env JF4_PAD_X=1: x rows padded to TILE_M as JAX pads them; JF4_TILED=1: the
-//        prepared weight layout (nvfp4 / mxfp4)
+//        prepared weight layout (jax_fp4.prepare)
 //   ./wmatmul_harness roof                             read-only stream and D2D copy
 //   ncu --set full -k regex:wmatmul --launch-skip 3 --launch-count 1 -o rep \
 //        ./wmatmul_harness nvfp4 8192 28672 16 32 1 5
@@ -138,8 +138,8 @@ int main(int argc, char** argv) {
   p.st = kScaleBF16;
   p.out_f32 = splits > 1;
   p.cluster = cluster;
-  // JF4_TILED=1: the prepared weight layout (jax_fp4.prepare; nvfp4 / mxfp4, N and K
-  // multiples of 128): random bits need no re-layout either
+  // JF4_TILED=1: the prepared weight layout (jax_fp4.prepare; N and K multiples of 128):
+  // random bits need no re-layout either
   p.tiled = std::getenv("JF4_TILED") ? 1 : 0;
 
   const size_t code_bytes = size_t(N) * K / 2, scale_bytes = size_t(N) * p.nb * esize;

@@ -119,13 +119,46 @@ def from_blocked(blocked, shape):
 
 
 # The prepared ("tiled") weight layout of :func:`jax_fp4.prepare`, read by the fused W4A16
-# wgmma kernel (csrc/cuda/wmatmul.cu, wg_tileable): rows in tiles of TILE_ROWS, K in steps
-# of TILE_K; a (rows, cols) buffer of codes or scales with `per_step` = its columns per
-# TILE_K elements (64 code bytes of 4-bit elements, TILE_K / block_size scales) is stored
-# tile by tile, [row tile][k step][row in tile][per_step], so that each tile's bytes are
-# contiguous (one 1-D bulk copy). The array keeps its shape: only bytes move.
+# wgmma kernel (csrc/cuda/wmatmul.cu, wg_tiled_side_bytes): rows in tiles of TILE_ROWS, K in
+# steps of TILE_K; a (rows, cols) buffer of codes, scales or zero points with `per_step` =
+# its columns per TILE_K elements (64 code bytes of 4-bit elements, TILE_K / block_size
+# scales or zero points) is stored tile by tile, [row tile][k step][row in tile][per_step],
+# so that each tile's bytes are contiguous (one 1-D bulk copy). The array keeps its shape:
+# only bytes move.
 TILE_ROWS = 128
 TILE_K = 128
+# A step's scale and zero-point bytes the kernel has room for (wmatmul.cu kWgTiledSide), for
+# the formats whose block size and scale dtype vary (int4, nf4, bnb_fp4).
+TILED_SIDE_BYTES = 2048
+_SPEC_BLOCK = {"nvfp4": 16, "mxfp4": 32}  # the kernel decodes these in their spec blocks
+
+
+def tileable(format: str, block_size: int, scale_dtype, rows: int, k: int) -> bool:
+    """Whether a weight has a prepared layout (:func:`jax_fp4.prepare` applies).
+
+    Args:
+      format: the QArray's format name.
+      block_size: its block (group) size.
+      scale_dtype: dtype of its block scales.
+      rows: rows of its stored data (``data.shape[-2]``, N of an (N, K) weight).
+      k: length of its blocked axis.
+    Returns:
+      True for rows % 128 == 0 and k % 128 == 0 with nvfp4 (block 16) or mxfp4 (block 32),
+      or with int4 / nf4 / bnb_fp4 in power-of-two blocks of 16..128 whose scales (and int4
+      zero points, one byte each) per row and 128 k take at most TILED_SIDE_BYTES / 128
+      bytes: int4 in groups of 64 or 128 with any scale dtype, or of 32 with 2-byte
+      scales; nf4 / bnb_fp4 in blocks of 32..128. False otherwise.
+    """
+    if rows % TILE_ROWS or k % TILE_K:
+        return False
+    if format in _SPEC_BLOCK:
+        return block_size == _SPEC_BLOCK[format]
+    if format not in ("int4", "nf4", "bnb_fp4") or block_size & (block_size - 1):
+        return False
+    if not 16 <= block_size <= TILE_K:
+        return False
+    row = TILE_K // block_size * (jnp.dtype(scale_dtype).itemsize + (format == "int4"))
+    return TILE_ROWS * row <= TILED_SIDE_BYTES
 
 
 def tile_rows(a, per_step: int):
@@ -134,7 +167,7 @@ def tile_rows(a, per_step: int):
     Args:
       a: (..., rows, cols) array, rows % TILE_ROWS == 0, cols % per_step == 0.
       per_step: columns per TILE_K elements of K (64 for 4-bit codes in bytes,
-        TILE_K // block_size for scales).
+        TILE_K // block_size for scales and zero points).
     Returns:
       array of a's shape and dtype, element (r, c) moved to tile (r // 128, c // per_step),
       row r % 128, column c % per_step of that tile.
@@ -151,12 +184,21 @@ def untile_rows(a, per_step: int):
     return jnp.swapaxes(t, -3, -2).reshape(a.shape)
 
 
-def tile_weight(codes, scales, block_size: int):
-    """A 4-bit weight's packed codes (..., N, K/2) uint8 and block scales (..., N,
-    K/block_size) into the prepared layout (:func:`tile_rows` of each)."""
-    return tile_rows(codes, TILE_K // 2), tile_rows(scales, TILE_K // block_size)
+def _move_weight(move, codes, scales, zeros, block_size):
+    per_block = TILE_K // block_size
+    return (move(codes, TILE_K // 2), move(scales, per_block),
+            # int4 zero points are shaped as the scales; other formats have none (None, or an
+            # empty placeholder in the primitives' buffers)
+            zeros if zeros is None or zeros.ndim < 2 else move(zeros, per_block))
 
 
-def untile_weight(codes, scales, block_size: int):
+def tile_weight(codes, scales, zeros, block_size: int):
+    """A 4-bit weight's packed codes (..., N, K/2) uint8, block scales (..., N, K/block_size)
+    and int4 zero points (shaped as the scales; or None / a 1-D placeholder, passed through)
+    into the prepared layout (:func:`tile_rows` of each). Returns (codes, scales, zeros)."""
+    return _move_weight(tile_rows, codes, scales, zeros, block_size)
+
+
+def untile_weight(codes, scales, zeros, block_size: int):
     """Inverse of :func:`tile_weight`."""
-    return untile_rows(codes, TILE_K // 2), untile_rows(scales, TILE_K // block_size)
+    return _move_weight(untile_rows, codes, scales, zeros, block_size)

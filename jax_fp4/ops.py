@@ -194,9 +194,9 @@ def _qarray_rows(q: QArray, keep_tiled=False):
     rows = math.prod(rest)
     k = q.shape[q.axis]
     nb = k // q.block_size
-    scales = q.scales
+    scales, zeros = q.scales, q.zeros
     if q.scale_layout == "tiled" and not keep_tiled:
-        data, scales = layout.untile_weight(data, scales, q.block_size)
+        data, scales, zeros = layout.untile_weight(data, scales, zeros, q.block_size)
     codes = data.reshape(rows, data.shape[-1])
     if q.scale_layout == "swizzled":
         if q._dropped:
@@ -207,7 +207,7 @@ def _qarray_rows(q: QArray, keep_tiled=False):
         scales = scales.reshape(rows, nb)
     if f.family in ("nvfp4", "mx"):
         scales = lax.bitcast_convert_type(scales, jnp.uint8)
-    zeros = (q.zeros.reshape(rows, nb) if f.family == "int4"
+    zeros = (zeros.reshape(rows, nb) if f.family == "int4"
              else jnp.zeros((0,), jnp.uint8))
     ts = q.tensor_scale
     ts_rows = _row_ts(None if ts is None else jnp.asarray(ts, jnp.float32), rows)
@@ -240,21 +240,25 @@ def dequantize(q: QArray, dtype=None):
 def prepare(q: QArray) -> QArray:
     """A weight QArray in the layout the fused W4A16 kernel reads fastest (``"tiled"``).
 
-    The codes and block scales of each 128-row x 128-k tile of the last two axes of
-    ``q.data`` / ``q.scales`` are stored contiguously, tile by tile ([row tile][k step][row]
-    [bytes]; jax_fp4.layout.tile_rows), so that the CUDA wgmma kernel copies a stage's
-    weight bytes with one 1-D bulk copy each instead of 128 strided rows (the offline
+    The codes, block scales and (int4) zero points of each 128-row x 128-k tile of the last
+    two axes of ``q.data`` / ``q.scales`` / ``q.zeros`` are stored contiguously, tile by tile
+    ([row tile][k step][row][bytes]; jax_fp4.layout.tile_rows), so that the CUDA wgmma
+    kernel copies a stage's weight bytes with one 1-D bulk copy each instead of 128 strided
+    rows (the offline
     re-layout of Marlin-style W4A16 kernels). Shapes, dtypes and every other field stay as
     they were; :func:`dequantize`, :func:`matmul` and every other op give bit-identical
     results, and safetensors checkpoints are written in the linear layout. Ops other than
     the wgmma kernel (CPU, the reference, other GPUs, large M) restore the linear layout
     first, which costs a copy of the weight per call: prepare weights for a Hopper GPU.
 
-    Applies to nvfp4 (block 16, one- or two-level) and mxfp4 (block 32) QArrays with linear
-    scales whose data has >= 2 axes, rows (``q.data.shape[-2]``: N of a (K, N) weight) a
-    multiple of 128 and a blocked axis of length K % 128 == 0; any other QArray (and one
-    already prepared) is returned unchanged. Pure jnp: works under jit and on stacked
-    (vmap / scan) weights.
+    Applies to QArrays with linear scales whose data has >= 2 axes, rows
+    (``q.data.shape[-2]``: N of a (K, N) weight) a multiple of 128 and a blocked axis of
+    length K % 128 == 0, in nvfp4 (block 16, one- or two-level), mxfp4 (block 32), or int4 /
+    nf4 / bnb_fp4 in power-of-two blocks of 16..128 whose scales and zero points per row
+    and 128 k fit the kernel's 16 bytes (int4 groups of 64 / 128 with any scale dtype or 32
+    with bf16 / f16 scales, nf4 / bnb_fp4 blocks of 32..128; jax_fp4.layout.tileable). Any
+    other QArray (and one already prepared) is returned unchanged. Pure jnp: works under
+    jit and on stacked (vmap / scan) weights.
 
     Args:
       q: a QArray.
@@ -268,19 +272,19 @@ def prepare(q: QArray) -> QArray:
 
 
 def _relayout(q: QArray, move, scale_layout):
-    """q with (data, scales) = move(data, scales, block_size) and the given layout tag."""
-    data, scales = move(q.data, q.scales, q.block_size)
-    return QArray(data, scales, q.tensor_scale, q.zeros, format=q.format, axis=q._axis,
+    """q with (data, scales, zeros) = move(data, scales, zeros, block_size) and the given
+    layout tag."""
+    data, scales, zeros = move(q.data, q.scales, q.zeros, q.block_size)
+    return QArray(data, scales, q.tensor_scale, zeros, format=q.format, axis=q._axis,
                   shape=q._shape, dtype=q.dtype, block_size=q.block_size,
                   scale_layout=scale_layout)
 
 
 def _tileable(q: QArray) -> bool:
-    """Whether :func:`prepare` applies (nvfp4 / mxfp4 data: uint8, two codes a byte)."""
-    return (q.format in ("nvfp4", "mxfp4") and q.block_size == q.fmt.default_block
-            and q.scale_layout == "linear" and q.data.ndim >= 2
-            and q.data.shape[-2] % layout.TILE_ROWS == 0
-            and q.shape[q.axis] % layout.TILE_K == 0)
+    """Whether :func:`prepare` applies (jax_fp4.layout.tileable)."""
+    return (q.scale_layout == "linear" and q.data.ndim >= 2
+            and layout.tileable(q.format, q.block_size, q.scales.dtype, q.data.shape[-2],
+                                q.shape[q.axis]))
 
 
 def unprepare(q: QArray) -> QArray:

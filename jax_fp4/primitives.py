@@ -377,18 +377,18 @@ def _wmatmul_abstract(x, codes, scales, zeros, ts, *, out_dtype, **_):
     return jax.core.ShapedArray((x.shape[0], codes.shape[0]), np.dtype(out_dtype))
 
 
-def _untiled(codes, scales, block_size, tiled):
-    """The linear layout of a weight's codes and scales given in the prepared ("tiled")
-    layout of jax_fp4.prepare (jax_fp4.layout.tile_rows), or them as they are."""
-    return layout.untile_weight(codes, scales, block_size) if tiled else (codes, scales)
+def _untiled(codes, scales, zeros, block_size, tiled):
+    """The linear layout of a weight's codes, scales and zero points given in the prepared
+    ("tiled") layout of jax_fp4.prepare (jax_fp4.layout.tile_rows), or them as they are."""
+    return layout.untile_weight(codes, scales, zeros, block_size) if tiled else (codes, scales, zeros)
 
 
 def _wmatmul_compose(dequantize, x, codes, scales, zeros, ts, *, fmt, block_size, two_level,
                      out_dtype, precision, tiled, impl):
     """y (M, N) = x (M, K) @ W(N, K)^T: W decoded in float32, rounded to x.dtype (the
-    compute dtype of a W4A16 kernel), products accumulated in float32. `tiled`: the codes
-    and scales come in the prepared layout (jax_fp4.prepare)."""
-    codes, scales = _untiled(codes, scales, block_size, tiled)
+    compute dtype of a W4A16 kernel), products accumulated in float32. `tiled`: the codes,
+    scales and zero points come in the prepared layout (jax_fp4.prepare)."""
+    codes, scales, zeros = _untiled(codes, scales, zeros, block_size, tiled)
     w = dequantize(codes, scales, zeros, ts, fmt=fmt, block_size=block_size, k=x.shape[1],
                    dtype=x.dtype, two_level=two_level, impl=impl)
     y = lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=precision,
@@ -416,7 +416,7 @@ def _wmatmul_transpose(ct, x, codes, scales, zeros, ts, **params):
         raise NotImplementedError("jax_fp4 matmul differentiates w.r.t. the activations only")
     if type(ct) is ad.Zero:
         return [None] * 5
-    codes, scales = _untiled(codes, scales, params["block_size"], params["tiled"])
+    codes, scales, zeros = _untiled(codes, scales, zeros, params["block_size"], params["tiled"])
     w = dequantize_p.bind(codes, scales, zeros, ts, fmt=params["fmt"],
                           block_size=params["block_size"], k=x.aval.shape[1],
                           dtype=x.aval.dtype, two_level=params["two_level"],
@@ -696,7 +696,7 @@ def _wmatmul_fused(x, codes, scales, zeros, ts, *, fmt, block_size, two_level, o
     m, k = x.shape
     tile_m, splits = wmatmul_grid(m, codes.shape[0], k)
     if tiled and not tile_m:
-        codes, scales = _untiled(codes, scales, block_size, tiled)
+        codes, scales, zeros = _untiled(codes, scales, zeros, block_size, tiled)
         tiled = False
     head = wmatmul_head_rows(m, codes.shape[0], k, tile_m)
     if head:

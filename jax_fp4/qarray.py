@@ -22,7 +22,7 @@ class QArray:
       scales: one per block. ``scale_layout="linear"``: (rest..., K/block_size);
         ``"swizzled"``: the 2-D 128x4 tiled layout (ceil(rows/128)*32, ceil(nb/4)*16) with
         rows = prod(rest), as cuBLASLt/CUTLASS read it. ``"tiled"`` (made by
-        :func:`jax_fp4.prepare`, nvfp4 / mxfp4 weights): data and scales keep their linear
+        :func:`jax_fp4.prepare` for 4-bit weights): data, scales and zeros keep their linear
         shapes, but the bytes of each 128-row x 128-k tile of the last two axes are stored
         contiguously, tile by tile (jax_fp4.layout.tile_rows), as the fused W4A16 kernel
         reads them. dtype float8_e4m3fn (nvfp4),

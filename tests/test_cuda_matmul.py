@@ -12,7 +12,7 @@ import pytest
 
 import jax_fp4 as jf
 from edge import make_input
-from jax_fp4 import primitives
+from jax_fp4 import layout, primitives
 
 pytestmark = pytest.mark.gpu
 
@@ -239,16 +239,21 @@ def test_fused_wgmma_multicast(fmt, bs, kw, dtype, rng, monkeypatch):
         np.testing.assert_array_equal(got[2], got[1], err_msg=f"{fmt} M={m} K={kk} N={n}")
 
 
-# A weight in the prepared layout (jax_fp4.prepare: each 128-row x 128-k tile's codes and
-# scales contiguous, copied by 1-D bulk copies) gives the linear layout's result bit for
-# bit: the kernel decodes and accumulates the same steps in the same order. Every tile
-# width (M = 1-300, two M tiles at 300), the bit and table paths of nvfp4 / mxfp4, K =
-# 1152 (9 steps: stages of two reach one step past K, which repeats the last step) with
-# S = 1 / 2 / 5 K-splits (5 + 4, 2 + 2 + 2 + 2 + 1: splits of odd step counts), K = 2048,
-# and 2-CTA clusters on N = 384 (3 tiles: the second cluster's second CTA lies past N and
-# copies no weight bytes).
-@pytest.mark.parametrize("fmt,bs,kw,dtype", [c for c in W_CASES if c[0] in ("nvfp4", "mxfp4")],
-                         ids=str)
+# A weight in the prepared layout (jax_fp4.prepare: each 128-row x 128-k tile's codes,
+# scales and zero points contiguous, copied by 1-D bulk copies) gives the linear layout's
+# result bit for bit: the kernel decodes and accumulates the same steps in the same order.
+# Every format case the layout applies to (int4 with float32 scales where none is named:
+# quantize's choice for a float32 weight; int4 in groups of 16 and 32-groups with float32
+# scales have too many scale bytes per step), every tile width (M = 1-300, two M tiles at
+# 300), the bit and table paths, K = 1152 (9 steps: stages of two reach one step past K,
+# which repeats the last step) with S = 1 / 2 / 5 K-splits (5 + 4, 2 + 2 + 2 + 2 + 1:
+# splits of odd step counts), K = 2048, and 2-CTA clusters on N = 384 (3 tiles: the second
+# cluster's second CTA lies past N and copies no weight bytes).
+PREPARED_CASES = [c for c in W_CASES
+                  if layout.tileable(c[0], c[1], c[2].get("scale_dtype", jnp.float32), 128, 128)]
+
+
+@pytest.mark.parametrize("fmt,bs,kw,dtype", PREPARED_CASES, ids=str)
 def test_fused_wgmma_prepared_layout(fmt, bs, kw, dtype, rng, monkeypatch):
     assert jf.capabilities()["kernels"]["cuda"], jf.capabilities()["load_error"]
     if not primitives.wgmma_available():
@@ -342,19 +347,25 @@ def test_wmatmul_handler_rejects_foreign_block_size(fmt, bs):
 
 
 def test_wmatmul_handler_rejects_bad_tiled_calls():
-    """The prepared layout (attribute `tiled`) only for nvfp4 / mxfp4 on the wgmma kernel
-    with N and K multiples of 128: any other call gets an error naming the attribute."""
+    """The prepared layout (attribute `tiled`) only on the wgmma kernel, with N and K
+    multiples of 128 and the layouts jax_fp4.layout.tileable makes (blocks <= 128, <= 16
+    scale and zero-point bytes per row and step): any other call gets an error naming the
+    attribute."""
     assert jf.capabilities()["kernels"]["cuda"], jf.capabilities()["load_error"]  # registers
     call = lambda m, n: jax.ffi.ffi_call(primitives._FUSED_TARGET,  # noqa: E731
                                          jax.ShapeDtypeStruct((1, m, n), jnp.float32))
-    for fmt, bs, k, n, tile_m, tiled in (("nvfp4", 16, 256, 200, 8, 1), ("nvfp4", 16, 288, 128, 8, 1),
-                                         ("nf4", 64, 256, 128, 8, 1), ("mxfp4", 32, 256, 128, 0, 1),
-                                         ("mxfp4", 32, 256, 128, 8, 2)):
+    u8, f32 = jnp.uint8, jnp.float32
+    for fmt, bs, sdt, k, n, tile_m, tiled in (
+            ("nvfp4", 16, u8, 256, 200, 8, 1), ("nvfp4", 16, u8, 288, 128, 8, 1),
+            ("nf4", 256, f32, 512, 128, 8, 1), ("int4", 16, BF16, 256, 128, 8, 1),
+            ("int4", 32, f32, 256, 128, 16, 1), ("mxfp4", 32, u8, 256, 128, 0, 1),
+            ("mxfp4", 32, u8, 256, 128, 8, 2)):
+        assert not layout.tileable(fmt, bs, sdt, n, k) or tile_m == 0 or tiled == 2
         m = 4
-        scales = jnp.zeros((n, k // bs), jnp.float32 if fmt == "nf4" else jnp.uint8)
+        zeros = jnp.zeros((n, k // bs) if fmt == "int4" else (0,), jnp.uint8)
         args = jax.device_put((jnp.ones((m, -(-k // 128) * 128 if tile_m else k), jnp.bfloat16),
-                               jnp.zeros((n, k // 2), jnp.uint8), scales,
-                               jnp.zeros((0,), jnp.uint8), jnp.ones((n,), jnp.float32)), _gpu())
+                               jnp.zeros((n, k // 2), jnp.uint8), jnp.zeros((n, k // bs), sdt),
+                               zeros, jnp.ones((n,), jnp.float32)), _gpu())
         with pytest.raises(Exception, match=r"attribute `tiled` = \d"):
             jax.block_until_ready(jax.jit(lambda *a: call(m, n)(
                 *a, **primitives._attrs(fmt, bs, two_level=False), splits=np.int64(1),

@@ -11,7 +11,10 @@ from jax_fp4 import layout
 from jax_fp4.io import safetensors as st
 from jax_fp4.nn.params import quantize_params, transpose_2d
 
-CASES = [("nvfp4", {}), ("nvfp4", {"tensor_scale": "auto"}), ("mxfp4", {})]
+CASES = [("nvfp4", {}), ("nvfp4", {"tensor_scale": "auto"}), ("mxfp4", {}),
+         ("int4", {}), ("int4", {"block_size": 32, "scale_dtype": jnp.bfloat16}),
+         ("int4", {"block_size": 64, "scale_dtype": jnp.float32}),
+         ("nf4", {}), ("bnb_fp4", {"block_size": 32}), ("nf4", {"block_size": 128})]
 
 
 def _bits(a):
@@ -53,6 +56,10 @@ def test_prepare_is_bit_identical(fmt, kw, rng):
     assert u.scale_layout == "linear"
     np.testing.assert_array_equal(np.asarray(u.data), np.asarray(q.data))
     np.testing.assert_array_equal(_bits(u.scales), _bits(q.scales))
+    if q.zeros is not None:  # int4: zero points tiled as the scales
+        assert p.zeros.shape == q.zeros.shape
+        assert not np.array_equal(np.asarray(p.zeros), np.asarray(q.zeros))
+        np.testing.assert_array_equal(np.asarray(u.zeros), np.asarray(q.zeros))
     assert jf.unprepare(q) is q
 
 
@@ -103,7 +110,9 @@ def test_prepare_leaves_other_qarrays_alone(rng):
     w = _weight(rng, 256, 256)
     for q in (jf.quantize(w[:, :200], "nvfp4", axis=0),      # N not a multiple of 128
               jf.quantize(w[:96], "mxfp4", axis=0),         # K not a multiple of 128
-              jf.quantize(w, "nf4", axis=0), jf.quantize(w, "int4", axis=0),
+              jf.quantize(w, "nf4", axis=0, block_size=256),   # blocks longer than 128 k
+              jf.quantize(w, "int4", axis=0, block_size=16),   # 24 bytes a row and step
+              jf.quantize(w, "int4", axis=0, block_size=32, scale_dtype=jnp.float32),  # 20
               jf.quantize(w, "mxfp8_e4m3", axis=0),
               jf.quantize(w, "nvfp4", axis=0, scale_layout="swizzled"),
               jf.quantize(w[0], "nvfp4")):                   # 1-D
@@ -144,6 +153,18 @@ def test_quantize_params_prepare_and_checkpoints(rng, tmp_path):
     assert back["dense"]["kernel"].scale_layout == "tiled"
     np.testing.assert_array_equal(np.asarray(back["dense"]["kernel"].data),
                                   np.asarray(prep["dense"]["kernel"].data))
+    # int4: the zero points are written linear and tiled again on load, as the scales
+    prep4 = quantize_params(tree, "int4", prepare=True)
+    assert prep4["dense"]["kernel"].scale_layout == "tiled"
+    st.save(str(tmp_path / "w4.safetensors"), prep4)
+    lin4 = st.load(str(tmp_path / "w4.safetensors"))["dense.kernel"]
+    want4 = quantize_params(tree, "int4")["dense"]["kernel"]
+    np.testing.assert_array_equal(np.asarray(lin4.zeros), np.asarray(want4.zeros))
+    back4 = st.load(str(tmp_path / "w4.safetensors"), target=prep4)["dense"]["kernel"]
+    for a, b in ((back4.data, prep4["dense"]["kernel"].data),
+                 (back4.zeros, prep4["dense"]["kernel"].zeros)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(_bits(back4.scales), _bits(prep4["dense"]["kernel"].scales))
     # Equinox models: the new layers' weights
     lin = eqx.nn.Linear(256, 128, key=jax.random.key(0))
     ql = quantize_params({"l": lin}, "mxfp4", prepare=True)["l"]

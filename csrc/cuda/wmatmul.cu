@@ -71,7 +71,9 @@ struct WParams {
   int scale_boxes;         // wgmma kernel: the scales come by TMA with the stages
   int stage_codes;         // wgmma kernel: a stage's codes come as one 3-D box (launch_wgmma)
   int tiled;               // wgmma kernel: codes and scales in the prepared layout (launch_wgmma
-                           // picks the kernel instance; wg_tileable)
+                           // picks the kernel instance)
+  int tile_srow;           // prepared layout: scale bytes per row and 128-k step, and INT4's
+  int tile_zrow;           // zero-point bytes (launch_wgmma; wg_tile_scale_row)
   int cluster;             // wgmma kernel at BN = 256: CTAs per cluster, 1 or 2 (x multicast)
 };
 
@@ -948,16 +950,17 @@ __host__ __device__ constexpr int wg_words() { return BN >= 256 ? 1 : 2; }
 // 8192: mxfp4 M = 1 59.4 / 56.5 -> 55.2 / 54.2 us, M = 16 63.1 / 60.5 -> 58.4 / 55.8; nvfp4
 // (with its scale boxes, wg_boxes) M = 16 61.5 / 60.2 -> 59.9 / 58.7, M = 1 equal
 // (benchmarks/NOTES.md round 13). INT4 (zero-point boxes: no room for 4 stages of two) was
-// 2-10% slower, the table path equal.
-template <int FMT, bool BITS, int BN>
-__host__ __device__ constexpr int wg_sub() { return BITS && FMT != kINT4 && BN <= 32 ? 2 : 1; }
+// 2-10% slower, the table path equal; INT4 in the prepared layout (TILED: its scales and
+// zero points 384 bytes a step at groups of 128) takes stages of two.
+template <int FMT, bool BITS, int BN, bool TILED = false>
+__host__ __device__ constexpr int wg_sub() { return BITS && (FMT != kINT4 || TILED) && BN <= 32 ? 2 : 1; }
 // 4 stages where they fit, else 3: at BN = 256; at BN = 64 for the table path and INT4,
 // whose 16 table copies (wg_copies) or scale and zero-point boxes (wg_boxes) fit beside
 // 3 stages at two CTAs per SM, not beside 4 (harness, H100, M = 64: nf4 141 -> 94 us, int4
 // 90 -> 75-79 us; benchmarks/NOTES.md round 7); and for stages of two steps at BN >= 16.
-template <int FMT, bool BITS, int BN>
+template <int FMT, bool BITS, int BN, bool TILED = false>
 __host__ __device__ constexpr int wg_stages() {
-  return BN >= 256 || (BN == 64 && (!BITS || FMT == kINT4)) || (wg_sub<FMT, BITS, BN>() > 1 && BN >= 16) ? 3 : 4;
+  return BN >= 256 || (BN == 64 && (!BITS || FMT == kINT4)) || (wg_sub<FMT, BITS, BN, TILED>() > 1 && BN >= 16) ? 3 : 4;
 }
 // L2 cache policies (CUTLASS's CacheHintSm90): the activations, which every CTA re-reads,
 // stay; the weight codes, read once, go first
@@ -974,32 +977,38 @@ template <int FMT, bool BITS, int BN>  // a stage's box width: 16 bytes per step
 __host__ __device__ constexpr int wg_box_cols() { return kWgBoxCols * wg_sub<FMT, BITS, BN>(); }
 template <int FMT, bool BITS, int BN>  // a stage's scale box, and INT4's zero-point box
 __host__ __device__ constexpr int wg_side_bytes() { return (FMT == kINT4 ? 2 : 1) * kWgRows * wg_box_cols<FMT, BITS, BN>(); }
-template <int FMT, int BN, bool BITS>
+template <int FMT, int BN, bool BITS, bool TILED = false>
 __host__ __device__ constexpr int wg_smem_for(int stage_bytes) {
-  const int pipe = wg_stages<FMT, BITS, BN>() * stage_bytes;
+  const int pipe = wg_stages<FMT, BITS, BN, TILED>() * stage_bytes;
   const int epi = BN * kOutStride * 4;
   return 1024 /* alignment slack */ + (pipe > epi ? pipe : epi) +
          (BITS ? 0 : table_bytes<wg_copies<FMT, BN>()>() +
                      (wg_copies<FMT, BN>() == kLaneTable ? kLaneTableAlign - 1024 : 0));
 }
 // The prepared ("tiled") weight layout of jax_fp4.prepare (jax_fp4/layout.py, tile_rows):
-// the codes (128 rows x 64 bytes) and scales (128 rows x wg_tile_scale_row bytes) of each
-// 128-row x 128-k tile stored contiguously, the tiles ordered [row tile][step]; nvfp4 and
-// mxfp4 in their spec blocks (16, 32) with N % 128 == 0 and K % 128 == 0. A stage's codes
-// and scales are then two 1-D bulk copies of contiguous bytes (cp.async.bulk) that land
-// in the stage as [step][row][bytes]: no tensor maps, no 64-byte row pieces 4-14 KB apart
-// in DRAM. Harness on the H100, linear -> prepared, 8192 x 28672 / 28672 x 8192: nvfp4
-// M = 1 57.7 / 56.7 -> 50.1 / 50.3 us, mxfp4 55.8 / 54.0 -> 49.3 / 48.2, M = 64 -3-7%
-// (benchmarks/NOTES.md round 15). The kernel's TILED instance reads this layout.
-template <int FMT>
-__host__ __device__ constexpr bool wg_tileable() { return FMT == kNVFP4 || FMT == kMXFP4; }
-template <int FMT>  // a row's scale bytes per 128-k step: 8 E4M3 (nvfp4) or 4 E8M0 (mxfp4)
-__host__ __device__ constexpr int wg_tile_scale_row() { return FMT == kNVFP4 ? 8 : 4; }
-template <int FMT>  // a step's scales in the prepared layout
-__host__ __device__ constexpr int wg_tile_scale_bytes() { return kWgRows * wg_tile_scale_row<FMT>(); }
+// the codes (128 rows x 64 bytes), scales (128 rows x tile_srow bytes) and INT4 zero
+// points (128 rows x tile_zrow bytes) of each 128-row x 128-k tile stored contiguously,
+// the tiles ordered [row tile][step]; N % 128 == 0 and K % 128 == 0, nvfp4 and mxfp4 in
+// their spec blocks (16, 32), int4 / nf4 / bnb_fp4 in blocks of 16..128 whose scales and
+// zero points per step fit kWgTiledSide (jax_fp4.layout.tileable). A stage's codes,
+// scales and zero points are then 1-D bulk copies of contiguous bytes (cp.async.bulk) that
+// land in the stage as [step][row][bytes]: no tensor maps, no 64-byte row pieces 4-14 KB
+// apart in DRAM. Harness on the H100, linear -> prepared, 8192 x 28672 / 28672 x 8192:
+// nvfp4 M = 1 57.7 / 56.7 -> 50.1 / 50.3 us, mxfp4 55.8 / 54.0 -> 49.3 / 48.2, M = 64
+// -3-7% (benchmarks/NOTES.md round 15); int4 67 / 66 -> 60 / 54 us with stages of one
+// step, 50 / 47 with stages of two (wg_sub), nf4 79 / 71 -> 73 / 64 (round 16). The
+// kernel's TILED instance reads this layout.
+template <int FMT>  // a row's scale bytes per 128-k step: 8 E4M3 (nvfp4), 4 E8M0 (mxfp4), or
+__host__ __device__ constexpr int wg_tile_scale_row() {  // 0: by block size and scale dtype (p.tile_srow)
+  return FMT == kNVFP4 ? 8 : FMT == kMXFP4 ? 4 : 0;
+}
+// a step's scales and zero points at most (int4 / nf4 / bnb_fp4; jax_fp4.layout.tileable):
+// int4 in groups of 128 with 2-byte scales take 384 bytes, nf4 in blocks of 64 1 KB
+constexpr int kWgTiledSide = 2048;
 template <int FMT, bool BITS, int BN>  // a stage's room for them (1024-aligned, as the stages)
 __host__ __device__ constexpr int wg_tiled_side_bytes() {
-  return wg_tileable<FMT>() ? (wg_sub<FMT, BITS, BN>() * wg_tile_scale_bytes<FMT>() + 1023) / 1024 * 1024 : 0;
+  return wg_sub<FMT, BITS, BN, true>() *
+         (wg_tile_scale_row<FMT>() ? (kWgRows * wg_tile_scale_row<FMT>() + 1023) / 1024 * 1024 : kWgTiledSide);
 }
 // Whether the stages carry the scale boxes (see Pipeline below): BN <= 128 (BN = 256 is
 // bound by the tensor cores, and its three stages fill the SM), for nvfp4 only at BN <= 32
@@ -1016,21 +1025,17 @@ __host__ __device__ constexpr bool wg_boxes() {
                                                      wg_side_bytes<FMT, BITS, BN>()) +
                           1024 + 2 * wg_stages<FMT, BITS, BN>() * 8) <= 228 * 1024;
 }
-// stage = [activation tiles | weight codes | boxes or prepared scales], the first two one
-// per step it holds; the last the larger of the scale boxes' and the prepared scales' room
-template <int FMT, bool BITS, int BN>
-__host__ __device__ constexpr int wg_stage_side_bytes() {
-  return (wg_boxes<FMT, BITS, BN>() && wg_side_bytes<FMT, BITS, BN>() > wg_tiled_side_bytes<FMT, BITS, BN>())
-             ? wg_side_bytes<FMT, BITS, BN>()
-             : wg_tiled_side_bytes<FMT, BITS, BN>();
-}
-template <int FMT, bool BITS, int BN>
+// stage = [activation tiles | weight codes | scale boxes or prepared scales], the first
+// two one per step it holds; the last the scale boxes' room (where they fit) in the linear
+// layout's instance, the prepared scales' in the TILED one
+template <int FMT, bool BITS, int BN, bool TILED>
 __host__ __device__ constexpr int wg_stage_bytes() {
-  return wg_sub<FMT, BITS, BN>() * (wg_x_bytes<BN>() + kWgCodeBytes) + wg_stage_side_bytes<FMT, BITS, BN>();
+  return wg_sub<FMT, BITS, BN, TILED>() * (wg_x_bytes<BN>() + kWgCodeBytes) +
+         (TILED ? wg_tiled_side_bytes<FMT, BITS, BN>() : wg_boxes<FMT, BITS, BN>() ? wg_side_bytes<FMT, BITS, BN>() : 0);
 }
-template <int FMT, bool BITS, int BN>
+template <int FMT, bool BITS, int BN, bool TILED>
 __host__ __device__ constexpr int wg_smem_bytes() {
-  return wg_smem_for<FMT, BN, BITS>(wg_stage_bytes<FMT, BITS, BN>());
+  return wg_smem_for<FMT, BN, BITS, TILED>(wg_stage_bytes<FMT, BITS, BN, TILED>());
 }
 
 // n bytes of shared memory, zero-extended
@@ -1093,11 +1098,11 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
     const uint8_t* __restrict__ codes, const void* __restrict__ scales, const uint8_t* __restrict__ zeros,
     const float* __restrict__ ts, void* __restrict__ out, const WParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr int kStages = wg_stages<FMT, BITS, BN>();
+  constexpr int kStages = wg_stages<FMT, BITS, BN, TILED>();
   constexpr bool kProducer = wg_producer<BN>();
   constexpr int kWords = wg_words<BN>();
-  constexpr int kStage = wg_stage_bytes<FMT, BITS, BN>();
-  constexpr int kSub = wg_sub<FMT, BITS, BN>();  // steps per stage
+  constexpr int kStage = wg_stage_bytes<FMT, BITS, BN, TILED>();
+  constexpr int kSub = wg_sub<FMT, BITS, BN, TILED>();  // steps per stage
   static_assert(kSub <= 2, "a stage's scale box covers two steps' bytes (launch_wgmma)");
   // where in a stage: step h's activation tile, its codes, the boxes (width kBoxCols)
   constexpr int kX = wg_x_bytes<BN>(), kCodes = kSub * kX, kSide = kSub * (kX + kWgCodeBytes);
@@ -1105,7 +1110,6 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
   constexpr int kPipe = kStages * kStage;
   // the scales come with the stages: boxes (launch_wgmma: where the scale rows allow), or
   // the prepared layout's bulk copies
-  static_assert(!TILED || wg_tileable<FMT>(), "the prepared layout is nvfp4 / mxfp4 only");
   constexpr bool kSideScales = wg_boxes<FMT, BITS, BN>() || TILED;
   constexpr bool tiled = TILED;
   const bool boxes = (wg_boxes<FMT, BITS, BN>() && p.scale_boxes) || tiled;
@@ -1173,17 +1177,23 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
   // and for h = 0 the stage's scale / zero-point boxes (128 rows x the kBoxCols bytes from
   // the 16-byte boundary at or before the stage's first block: a box must start on one,
   // and the stage's kSub <= 2 steps' bytes fit, launch_wgmma). In the prepared layout
-  // (tiled) the stage's codes and scales instead, for h = 0, as one bulk copy each (one
-  // per step for a stage reaching past K, whose steps past K repeat the last: K % 128 == 0
-  // and N % 128 == 0, so no step is partial; a weight tile past N, cluster rounding, is
-  // not copied). In a cluster of two, CTA r copies box r of the activation tile into stage
+  // (tiled) the stage's codes, scales and INT4 zero points instead, for h = 0, as one bulk
+  // copy each (one per step for a stage reaching past K, whose steps past K repeat the
+  // last: K % 128 == 0 and N % 128 == 0, so no step is partial; a weight tile past N,
+  // cluster rounding, is not copied). In a cluster of two, CTA r copies box r of the activation tile into stage
   // j of both CTAs (TMA multicast, arriving on each one's full[j]): the pair reads the
   // tile from L2 once.
-  constexpr int kTileScales = wg_tile_scale_bytes<FMT>();
-  const uint8_t* tile_codes = codes + (n_cta / kWgRows) * p.n_steps * kWgCodeBytes;
-  const uint8_t* tile_scales = static_cast<const uint8_t*>(scales) + (n_cta / kWgRows) * p.n_steps * kTileScales;
+  // a prepared step's scale / zero-point bytes per row (nvfp4 / mxfp4: known at compile
+  // time) and per tile; the zero points follow the stage's scales
+  const int srow = !tiled ? kBoxCols : wg_tile_scale_row<FMT>() ? wg_tile_scale_row<FMT>() : p.tile_srow;
+  const int zrow = !tiled ? kBoxCols : FMT == kINT4 ? p.tile_zrow : 0;
+  const int tile_sbytes = kWgRows * srow, tile_zbytes = kWgRows * zrow;
+  const int64_t tile0 = (n_cta / kWgRows) * p.n_steps;  // the CTA's weight tile's first step
+  const uint8_t* tile_codes = codes + tile0 * kWgCodeBytes;
+  const uint8_t* tile_scales = static_cast<const uint8_t*>(scales) + tile0 * tile_sbytes;
+  const uint8_t* tile_zeros = zeros + tile0 * tile_zbytes;
   // bytes a stage receives
-  const uint32_t stage_tx = tiled ? kSub * (kX + (n_cta < p.N ? kWgCodeBytes + kTileScales : 0))
+  const uint32_t stage_tx = tiled ? kSub * (kX + (n_cta < p.N ? kWgCodeBytes + tile_sbytes + tile_zbytes : 0))
                                   : boxes ? kSide + wg_side_bytes<FMT, BITS, BN>() : kSide;
   auto copy_step = [&](int step, uint32_t j, int h) {
     const uint32_t bar = full_addr + 8 * j, stage = smem_addr + j * kStage, dst = stage + h * kX;
@@ -1212,15 +1222,18 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
             ::"r"(to), "l"(from), "r"(bytes), "r"(bar), "l"(kEvictFirst) : "memory");
       };
       if (h == 0 && n_cta < p.N) {
+        const uint32_t zdst = stage + kSide + kSub * tile_sbytes;  // the stage's zero points
         if (step + kSub <= p.n_steps) {
           bulk(stage + kCodes, tile_codes + static_cast<int64_t>(step) * kWgCodeBytes, kSub * kWgCodeBytes);
-          bulk(stage + kSide, tile_scales + step * kTileScales, kSub * kTileScales);
+          bulk(stage + kSide, tile_scales + static_cast<int64_t>(step) * tile_sbytes, kSub * tile_sbytes);
+          if constexpr (FMT == kINT4) bulk(zdst, tile_zeros + static_cast<int64_t>(step) * tile_zbytes, kSub * tile_zbytes);
         } else {
 #pragma unroll
           for (int hh = 0; hh < kSub; ++hh) {
             const int64_t s = min(static_cast<int64_t>(step + hh), p.n_steps - 1);
             bulk(stage + kCodes + hh * kWgCodeBytes, tile_codes + s * kWgCodeBytes, kWgCodeBytes);
-            bulk(stage + kSide + hh * kTileScales, tile_scales + s * kTileScales, kTileScales);
+            bulk(stage + kSide + hh * tile_sbytes, tile_scales + s * tile_sbytes, tile_sbytes);
+            if constexpr (FMT == kINT4) bulk(zdst + hh * tile_zbytes, tile_zeros + s * tile_zbytes, tile_zbytes);
           }
         }
       }
@@ -1338,8 +1351,9 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
   const uint8_t* wc0 = smem + kCodes + wrow * 64 + 16 * t;
   // the lane's scale rows in a stage's box, and its first block counted from the step's
   // first block (blocks longer than a step: 0)
-  constexpr int srow = tiled ? wg_tile_scale_row<FMT>() : kBoxCols;  // bytes per row of the scales
+  // (srow / zrow: bytes per row of the scales / zero points)
   const uint8_t* sb0 = smem + kSide + wrow * srow;
+  const uint8_t* zb0 = smem + kSide + (tiled ? kSub * tile_sbytes : kWgRows * kBoxCols) + wrow * zrow;
   const int lane_block = (32 * t) >> p.bs_shift;
   for (int s0 = step_begin; s0 < step_end; s0 += kDepth)
 #pragma unroll
@@ -1358,14 +1372,14 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
                     // the step's scales in the prepared layout
         const int b0 = (step * kWgStepK) >> p.bs_shift, b0s = ((step - hs) * kWgStepK) >> p.bs_shift;
         const int size = scale_bytes<FMT>(p);
-        const uint8_t* sb = sb0 + js * kStage + (tiled ? hs * kTileScales : b0 * size - ((b0s * size) & ~15));
-        const uint8_t* zb = sb0 + js * kStage + kWgRows * kBoxCols + (b0 - (b0s & ~15));
+        const uint8_t* sb = sb0 + js * kStage + (tiled ? hs * tile_sbytes : b0 * size - ((b0s * size) & ~15));
+        const uint8_t* zb = zb0 + js * kStage + (tiled ? hs * tile_zbytes : b0 - (b0s & ~15));
 #pragma unroll
         for (int h = 0; h < 2; ++h)
           chunk_scales<FMT, BITS>(
               cur[h],
               [&](auto n, int off) { return lds_bytes<decltype(n)::value>(sb + h * 8 * srow + off); },
-              [&](auto n, int off) { return lds_bytes<decltype(n)::value>(zb + h * 8 * kBoxCols + off); },
+              [&](auto n, int off) { return lds_bytes<decltype(n)::value>(zb + h * 8 * zrow + off); },
               lane_block, p.bs == 16, p);
       }
     }
@@ -1550,16 +1564,18 @@ template <int FMT, bool BF16, bool BITS, int BN>
 cudaError_t launch_wgmma(cudaStream_t stream, const uint16_t* xp, const uint8_t* cp,
                          const void* sp, const uint8_t* zp, const float* tp, void* out,
                          const WParams& p, int splits) {
-  const bool tiled = wg_tileable<FMT>() && p.tiled;
-  auto kernel = tiled ? wmatmul_wgmma_kernel<FMT, BF16, BITS, BN, wg_tileable<FMT>()>
+  const bool tiled = p.tiled;
+  auto kernel = tiled ? wmatmul_wgmma_kernel<FMT, BF16, BITS, BN, true>
                       : wmatmul_wgmma_kernel<FMT, BF16, BITS, BN, false>;
-  constexpr int kSmem = wg_smem_bytes<FMT, BITS, BN>();
-  static_assert(kSmem <= 227 * 1024, "the stages, epilogue and table must fit an SM's shared memory");
-  static_assert(wg_ctas<BN>() * (kSmem + 1024 + 3 * wg_stages<FMT, BITS, BN>() * 8) <= 228 * 1024,
+  constexpr int kSmemLinear = wg_smem_bytes<FMT, BITS, BN, false>();
+  constexpr int kSmemTiled = wg_smem_bytes<FMT, BITS, BN, true>();
+  static_assert(kSmemLinear <= 227 * 1024 && kSmemTiled <= 227 * 1024,
+                "the stages, epilogue and table must fit an SM's shared memory");
+  static_assert(wg_ctas<BN>() * (kSmemLinear + 1024 + 3 * wg_stages<FMT, BITS, BN, false>() * 8) <= 228 * 1024 &&
+                wg_ctas<BN>() * (kSmemTiled + 1024 + 3 * wg_stages<FMT, BITS, BN, true>() * 8) <= 228 * 1024,
                 "the CTAs per SM the kernel is built for must fit an SM's shared memory");
-  static const cudaError_t ready = prepare_wgmma(wmatmul_wgmma_kernel<FMT, BF16, BITS, BN, false>, kSmem);
-  static const cudaError_t ready_tiled =
-      prepare_wgmma(wmatmul_wgmma_kernel<FMT, BF16, BITS, BN, wg_tileable<FMT>()>, kSmem);
+  static const cudaError_t ready = prepare_wgmma(wmatmul_wgmma_kernel<FMT, BF16, BITS, BN, false>, kSmemLinear);
+  static const cudaError_t ready_tiled = prepare_wgmma(wmatmul_wgmma_kernel<FMT, BF16, BITS, BN, true>, kSmemTiled);
   if ((tiled ? ready_tiled : ready) != cudaSuccess) return tiled ? ready_tiled : ready;
   // x permuted (M, K128): boxes of BN rows x 64 k into the 128-byte swizzle the wgmma
   // descriptor names; codes (N, K / 2) bytes: boxes of 128 rows x 64 bytes (K % 32 == 0,
@@ -1584,7 +1600,13 @@ cudaError_t launch_wgmma(cudaStream_t stream, const uint16_t* xp, const uint8_t*
   if (tiled) {  // the prepared layout: 1-D bulk copies (WMatmulImpl checked the shapes)
     w_map = {};
     q.scale_boxes = 0;
-    if (reinterpret_cast<uintptr_t>(cp) % 16 != 0 || reinterpret_cast<uintptr_t>(sp) % 16 != 0)
+    q.tile_srow = (kWgStepK >> p.bs_shift) * scale_bytes<FMT>(p);
+    q.tile_zrow = FMT == kINT4 ? kWgStepK >> p.bs_shift : 0;
+    if (p.bs > kWgStepK || (wg_tile_scale_row<FMT>() && q.tile_srow != wg_tile_scale_row<FMT>()) ||
+        kWgRows * (q.tile_srow + q.tile_zrow) > wg_tiled_side_bytes<FMT, BITS, BN>() / wg_sub<FMT, BITS, BN, true>())
+      return cudaErrorInvalidValue;  // not a layout of jax_fp4.layout.tileable
+    if (reinterpret_cast<uintptr_t>(cp) % 16 != 0 || reinterpret_cast<uintptr_t>(sp) % 16 != 0 ||
+        (FMT == kINT4 && reinterpret_cast<uintptr_t>(zp) % 16 != 0))
       return cudaErrorMisalignedAddress;
   } else if (e == cudaSuccess && q.stage_codes) {
     const cuuint64_t dims[3] = {kWgStepK / 2, static_cast<cuuint64_t>(p.N), static_cast<cuuint64_t>(p.K / kWgStepK)};
@@ -1629,7 +1651,7 @@ cudaError_t launch_wgmma(cudaStream_t stream, const uint16_t* xp, const uint8_t*
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(tiles), 1, static_cast<unsigned>(splits));
   cfg.blockDim = dim3(wg_threads<BN>());
-  cfg.dynamicSmemBytes = kSmem;
+  cfg.dynamicSmemBytes = tiled ? kSmemTiled : kSmemLinear;
   cfg.stream = stream;
   cudaLaunchAttribute cluster;
   cluster.id = cudaLaunchAttributeClusterDimension;
@@ -1738,12 +1760,10 @@ ffi::Error WMatmulImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer cod
   const int64_t K = 2 * codes.dimensions()[1];
   if (tiled != 0 && tiled != 1)
     return invalid(where, "attribute `tiled` = " + std::to_string(tiled) + " must be 0 or 1");
-  if (tiled && ((fmt != kNVFP4 && fmt != kMXFP4) || tile_m == 0 ||
-                codes.dimensions()[0] % kWgRows != 0 || K % kWgStepK != 0))
-    return invalid(where, "attribute `tiled` = 1 (the prepared weight layout) needs fmt nvfp4 or "
-                          "mxfp4, the wgmma kernel (tile_m > 0), N % 128 == 0 and K % 128 == 0, got "
-                          "fmt = " + std::to_string(fmt) + ", tile_m = " + std::to_string(tile_m) +
-                              ", codes shape " + dims_str(codes.dimensions()));
+  if (tiled && (tile_m == 0 || codes.dimensions()[0] % kWgRows != 0 || K % kWgStepK != 0))
+    return invalid(where, "attribute `tiled` = 1 (the prepared weight layout) needs the wgmma "
+                          "kernel (tile_m > 0) and N and K multiples of 128, got tile_m = " +
+                              std::to_string(tile_m) + ", codes shape " + dims_str(codes.dimensions()));
   // the wgmma kernel takes x permuted within 128-k blocks and zero-padded to them
   const int64_t x_cols = tile_m > 0 ? (K + kWgStepK - 1) / kWgStepK * kWgStepK : K;
   if (x.dimensions().size() != 2 || x.dimensions()[1] != x_cols)
@@ -1777,9 +1797,20 @@ ffi::Error WMatmulImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer cod
                               "blocks of 32 (the formats' specs)");
   if (K % 32 != 0 || K >= (int64_t{1} << 31) || block_size < 16 ||
       (block_size & (block_size - 1)) != 0)
-    return invalid(where, "the fused kernel needs K % 32 == 0, K < 2^31 and a power-of-two "
+    return invalid(where, "the fused kernel needs K a multiple of 32, K < 2^31 and a power-of-two "
                           "block_size >= 16, got K = " + std::to_string(K) + ", block_size = " +
                               std::to_string(block_size));
+  if (tiled) {  // the layouts jax_fp4.layout.tileable makes (wg_tiled_side_bytes)
+    const int64_t per_step = block_size > kWgStepK ? 0 : kWgStepK / block_size;
+    const int64_t esize = fmt == kNF4 || fmt == kBNB_FP4 || (fmt == kINT4 && p.scale_type == kScaleF32) ? 4
+                          : fmt == kINT4 ? 2 : 1;
+    const int64_t row = per_step * (esize + (fmt == kINT4 ? 1 : 0));
+    if (per_step == 0 || kWgRows * row > kWgTiledSide)
+      return invalid(where, "attribute `tiled` = 1 (the prepared weight layout) needs block_size <= 128 "
+                            "and at most " + std::to_string(kWgTiledSide / kWgRows) + " scale and zero-point "
+                            "bytes per row and 128 k, got block_size = " + std::to_string(block_size) +
+                                " with " + std::to_string(row));
+  }
   const int64_t step = step_k(M, tile_m);
   const int64_t n_steps = (K + step - 1) / step;
   if (splits < 1 || splits > 65535 || (n_steps > 0 && splits > n_steps))
