@@ -244,12 +244,12 @@ def prepare(q: QArray) -> QArray:
     two axes of ``q.data`` / ``q.scales`` / ``q.zeros`` are stored contiguously, tile by tile
     ([row tile][k step][row][bytes]; jax_fp4.layout.tile_rows), so that the CUDA wgmma
     kernel copies a stage's weight bytes with one 1-D bulk copy each instead of 128 strided
-    rows (the offline
-    re-layout of Marlin-style W4A16 kernels). Shapes, dtypes and every other field stay as
-    they were; :func:`dequantize`, :func:`matmul` and every other op give bit-identical
-    results, and safetensors checkpoints are written in the linear layout. Ops other than
-    the wgmma kernel (CPU, the reference, other GPUs, large M) restore the linear layout
-    first, which costs a copy of the weight per call: prepare weights for a Hopper GPU.
+    rows (the offline re-layout of Marlin-style W4A16 kernels). Shapes, dtypes and every
+    other field stay as they were; :func:`dequantize`, :func:`matmul` and every other op
+    give bit-identical results, and safetensors checkpoints are written in the linear
+    layout. Ops other than the wgmma kernel (CPU, the reference, other GPUs, large M)
+    restore the linear layout first, which costs a copy of the weight per call: prepare
+    weights for a Hopper GPU.
 
     Applies to QArrays with linear scales whose data has >= 2 axes, rows
     (``q.data.shape[-2]``: N of a (K, N) weight) a multiple of 128 and a blocked axis of
