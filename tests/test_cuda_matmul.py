@@ -16,6 +16,15 @@ from jax_fp4 import layout, primitives
 
 pytestmark = pytest.mark.gpu
 
+
+def _require_wgmma(needed=True):
+    """The CUDA kernels are loaded (a GPU test fails, not skips, without them); where the
+    test needs the wgmma kernel, skip on GPUs or builds without sm_90a."""
+    assert jf.capabilities()["kernels"]["cuda"], jf.capabilities()["load_error"]
+    if needed and not primitives.wgmma_available():
+        pytest.skip("the wgmma kernel needs a compute capability 9.0 GPU and an sm_90a build")
+
+
 # Every decode path of csrc/cuda/wmatmul.cu: the bit path (nvfp4 one level, mxfp4 with bf16
 # x, int4 with scales in x's dtype, incl. 16-element groups) and the table path (nvfp4 with
 # a per-tensor scale, nf4, bnb_fp4, mxfp4 with f16 x, int4 with other scale dtypes).
@@ -125,9 +134,7 @@ def _check_fused(fmt, bs, kw, dtype, m, k, n, family, rng, splits=None, cluster=
 def test_fused_wmatmul_matches_reference(fmt, bs, kw, dtype, family, rng, monkeypatch):
     """family: the kernels of this GPU (wgmma at every M on an sm_90a build on Hopper) or
     the mma.sync kernels that other GPUs run (wgmma switched off)."""
-    assert jf.capabilities()["kernels"]["cuda"], jf.capabilities()["load_error"]
-    if family == "wgmma" and not primitives.wgmma_available():
-        pytest.skip("the wgmma kernel needs a compute capability 9.0 GPU and an sm_90a build")
+    _require_wgmma(family == "wgmma")
     if family == "mma":
         monkeypatch.setattr(primitives, "wgmma_available", lambda: False)
     monkeypatch.setattr(primitives, "FUSED_MAX_M", 1 << 30)  # every M fused
@@ -147,9 +154,7 @@ def test_fused_wmatmul_matches_reference(fmt, bs, kw, dtype, family, rng, monkey
 # family and tile width.
 @pytest.mark.parametrize("family", ["wgmma", "mma"])
 def test_fused_mxfp4_scale_ranges(family, rng, monkeypatch):
-    assert jf.capabilities()["kernels"]["cuda"], jf.capabilities()["load_error"]
-    if family == "wgmma" and not primitives.wgmma_available():
-        pytest.skip("the wgmma kernel needs a compute capability 9.0 GPU and an sm_90a build")
+    _require_wgmma(family == "wgmma")
     if family == "mma":
         monkeypatch.setattr(primitives, "wgmma_available", lambda: False)
     monkeypatch.setattr(primitives, "FUSED_MAX_M", 1 << 30)
@@ -179,9 +184,7 @@ def test_fused_mxfp4_scale_ranges(family, rng, monkeypatch):
 @pytest.mark.parametrize("fmt,bs,kw,dtype", [W_CASES[0], W_CASES[1], W_CASES[3], W_CASES[7]],
                          ids=str)
 def test_fused_wgmma_k_splits(fmt, bs, kw, dtype, splits, rng, monkeypatch):
-    assert jf.capabilities()["kernels"]["cuda"], jf.capabilities()["load_error"]
-    if not primitives.wgmma_available():
-        pytest.skip("the wgmma kernel needs a compute capability 9.0 GPU and an sm_90a build")
+    _require_wgmma()
     monkeypatch.setattr(primitives, "FUSED_MAX_M", 1 << 30)
     monkeypatch.setattr(primitives, "wmatmul_splits", lambda *a, **k: splits)
     for k in (1056, 1152):
@@ -199,9 +202,7 @@ def test_fused_wgmma_k_splits(fmt, bs, kw, dtype, splits, rng, monkeypatch):
 # whose scale bytes (nvfp4: 8 per step) then begin 8 bytes into the stage's 32-byte box.
 @pytest.mark.parametrize("fmt,bs,kw,dtype", W_CASES, ids=str)
 def test_fused_wgmma_scale_boxes(fmt, bs, kw, dtype, rng, monkeypatch):
-    assert jf.capabilities()["kernels"]["cuda"], jf.capabilities()["load_error"]
-    if not primitives.wgmma_available():
-        pytest.skip("the wgmma kernel needs a compute capability 9.0 GPU and an sm_90a build")
+    _require_wgmma()
     monkeypatch.setattr(primitives, "FUSED_MAX_M", 1 << 30)
     for m in (5, 13, 17, 33, 100):
         _check_fused(fmt, bs, kw, dtype, m, 2048, 200, "wgmma", rng)
@@ -218,9 +219,7 @@ def test_fused_wgmma_scale_boxes(fmt, bs, kw, dtype, rng, monkeypatch):
 # who copies x changes, so the result equals the 1-CTA kernel's bit for bit.
 @pytest.mark.parametrize("fmt,bs,kw,dtype", W_CASES, ids=str)
 def test_fused_wgmma_multicast(fmt, bs, kw, dtype, rng, monkeypatch):
-    assert jf.capabilities()["kernels"]["cuda"], jf.capabilities()["load_error"]
-    if not primitives.wgmma_available():
-        pytest.skip("the wgmma kernel needs a compute capability 9.0 GPU and an sm_90a build")
+    _require_wgmma()
     for m, k, n, splits in ((300, 1056, 264, None), (129, 2048, 200, None), (520, 4096, 264, 3)):
         monkeypatch.setattr(primitives, "_MULTICAST_MIN_M", dict.fromkeys(primitives.FUSED_FORMATS, 1))
         if splits is not None:
@@ -255,9 +254,7 @@ PREPARED_CASES = [c for c in W_CASES
 
 @pytest.mark.parametrize("fmt,bs,kw,dtype", PREPARED_CASES, ids=str)
 def test_fused_wgmma_prepared_layout(fmt, bs, kw, dtype, rng, monkeypatch):
-    assert jf.capabilities()["kernels"]["cuda"], jf.capabilities()["load_error"]
-    if not primitives.wgmma_available():
-        pytest.skip("the wgmma kernel needs a compute capability 9.0 GPU and an sm_90a build")
+    _require_wgmma()
     monkeypatch.setattr(primitives, "FUSED_MAX_M", 1 << 30)
     cases = [(m, 1152, 256, s, None) for m in (1, 5, 13, 17, 33, 100, 300) for s in (None, 2, 5)]
     cases += [(m, 2048, 384, None, None) for m in (1, 16, 64)] + [(520, 2048, 384, 3, 2)]
@@ -377,9 +374,7 @@ def test_fused_wgmma_padded_x_rows(m, k, n, rng, monkeypatch):
     """The lowering pads x with zero rows to a multiple of tile_m (no activation box
     reaches past x); x with M rows (jax.export artifacts from before) gives the same
     result bit for bit; any other row count is refused with the counts named."""
-    assert jf.capabilities()["kernels"]["cuda"], jf.capabilities()["load_error"]
-    if not primitives.wgmma_available():
-        pytest.skip("the wgmma kernel needs a compute capability 9.0 GPU and an sm_90a build")
+    _require_wgmma()
     monkeypatch.setattr(primitives, "FUSED_MAX_M", 1 << 30)
     x = jax.device_put(jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16), _gpu())
     w = jnp.asarray(rng.standard_normal((k, n)), jnp.float32)
@@ -418,9 +413,7 @@ def test_fused_wgmma_ragged_last_tile(fmt, bs, kw, dtype, rng, monkeypatch):
     """M = 300 on a weight wide enough for one full wave: the first 256 rows on the
     256-row tile, the last 44 in a second launch on the 64-row tile (wmatmul_head_rows);
     the result as the reference's."""
-    assert jf.capabilities()["kernels"]["cuda"], jf.capabilities()["load_error"]
-    if not primitives.wgmma_available():
-        pytest.skip("the wgmma kernel needs a compute capability 9.0 GPU and an sm_90a build")
+    _require_wgmma()
     monkeypatch.setattr(primitives, "FUSED_MAX_M", 1 << 30)
     m, k, n = 300, 256, 128 * primitives._sm_count()
     assert primitives.wmatmul_head_rows(m, n, k, 256) == 256
@@ -437,9 +430,7 @@ def test_fused_wgmma_ragged_last_tile(fmt, bs, kw, dtype, rng, monkeypatch):
 # tiles (N = 1024) at M = 1, 16 K-splits of 2 steps.
 @pytest.mark.parametrize("fmt,bs,kw,dtype", [W_CASES[0], W_CASES[3], W_CASES[6]], ids=str)
 def test_fused_wgmma_grid_small_weights(fmt, bs, kw, dtype, rng, monkeypatch):
-    assert jf.capabilities()["kernels"]["cuda"], jf.capabilities()["load_error"]
-    if not primitives.wgmma_available():
-        pytest.skip("the wgmma kernel needs a compute capability 9.0 GPU and an sm_90a build")
+    _require_wgmma()
     monkeypatch.setattr(primitives, "_GRID_MIN_FILL", _GRID_MIN_FILL)
     for m, k, n in ((256, 4096, 4096), (160, 2048, 4096), (13, 4096, 4096), (1, 4096, 1024)):
         tile, splits = primitives.wmatmul_grid(m, n, k)
