@@ -213,8 +213,9 @@ def quantize_params(tree, format: str = "nvfp4", *, filter: Filter = None, axis=
       act_format, act_mode: for module trees (NNX, Equinox) only: activation quantization
         of the new layers (see :func:`linear`).
       prepare: store the new QArrays in the fused W4A16 kernel's layout
-        (:func:`jax_fp4.prepare`: nvfp4 / mxfp4 weights with N and K multiples of 128;
-        bit-identical results, faster on a Hopper GPU, a copy per call elsewhere).
+        (:func:`jax_fp4.prepare`: 4-bit weights with N and K multiples of 128 where
+        jax_fp4.layout.tileable allows; bit-identical results, faster on a Hopper GPU, a
+        copy per call elsewhere).
     Returns:
       a pytree of the same structure with QArray leaves (or a new module).
     Raises:
