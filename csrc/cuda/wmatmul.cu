@@ -1180,9 +1180,9 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
   // (tiled) the stage's codes, scales and INT4 zero points instead, for h = 0, as one bulk
   // copy each (one per step for a stage reaching past K, whose steps past K repeat the
   // last: K % 128 == 0 and N % 128 == 0, so no step is partial; a weight tile past N,
-  // cluster rounding, is not copied). In a cluster of two, CTA r copies box r of the activation tile into stage
-  // j of both CTAs (TMA multicast, arriving on each one's full[j]): the pair reads the
-  // tile from L2 once.
+  // cluster rounding, is not copied). In a cluster of two, CTA r copies box r of the
+  // activation tile into stage j of both CTAs (TMA multicast, arriving on each one's
+  // full[j]): the pair reads the tile from L2 once.
   // a prepared step's scale / zero-point bytes per row (nvfp4 / mxfp4: known at compile
   // time) and per tile; the zero points follow the stage's scales
   const int srow = !tiled ? kBoxCols : wg_tile_scale_row<FMT>() ? wg_tile_scale_row<FMT>() : p.tile_srow;
@@ -1802,6 +1802,7 @@ ffi::Error WMatmulImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer cod
                               std::to_string(block_size));
   if (tiled) {  // the layouts jax_fp4.layout.tileable makes (wg_tiled_side_bytes)
     const int64_t per_step = block_size > kWgStepK ? 0 : kWgStepK / block_size;
+    // (the bytes of scale_bytes<FMT>, for the fmt known here at run time)
     const int64_t esize = fmt == kNF4 || fmt == kBNB_FP4 || (fmt == kINT4 && p.scale_type == kScaleF32) ? 4
                           : fmt == kINT4 ? 2 : 1;
     const int64_t row = per_step * (esize + (fmt == kINT4 ? 1 : 0));
