@@ -108,7 +108,7 @@ def bench_w4a16(args, roof, rows):
                       f"x{t_ref / t:6.1f} vs ref  {100 * floor / t:5.1f}% of floor", flush=True)
             # the size rule: the W4A16 paths side by side at this M, each forced
             if m in args.rule_ms:
-                for fmt in args.formats:
+                for fmt in qs:
                     bench_rule(shape, m, fmt, xs, qs[fmt], r, t_bf16, rows)
         del ws, qs
 

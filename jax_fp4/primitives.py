@@ -449,6 +449,13 @@ FUSED_FORMATS = ("nvfp4", "mxfp4", "nf4", "bnb_fp4", "int4")
 FUSED_MAX_M = 64
 FUSED_MAX_M_WGMMA = {"nvfp4": 1024, "mxfp4": 4096, "nf4": 1024, "bnb_fp4": 1024, "int4": 2048}
 FUSED_MAX_M_WGMMA_FOLDED = 4096
+# Prepared weights (jax_fp4.prepare, the "tiled" layout): the wgmma kernel at every M. It
+# was the fastest path at every M measured, for every format; dequantize + dot must first
+# restore the linear layout, a copy of the weight (H100, 8192 x 28672 / 28672 x 8192, ms,
+# fused against dequantize + dot, bench_matmul.py --prepare --rule-ms 2048 4096, RESULTS.md
+# round 17 B): int4 M = 2048 1.24 / 1.22 against 1.71 / 1.61, M = 4096 2.51 / 2.50 against
+# 3.08 / 2.93 (bf16 2.47 / 2.52); nf4 M = 4096 2.85 / 2.90 against 3.10 / 2.93.
+FUSED_MAX_M_WGMMA_TILED = float("inf")
 _FUSED_TARGET = "jax_fp4_wmatmul_v3"
 # (rows per CTA, k per super-step, resident CTAs per SM, fewest super-steps per split) of
 # the direct kernel (M <= 16), the staged kernel and the wgmma kernel by tile_m
@@ -568,7 +575,7 @@ def wmatmul_grid(m, n, k, wgmma=None, sms=None):
 
 def fused_wmatmul_applies(avals_in, params):
     """Whether the fused kernel covers this call: x bf16/f16 with 1 <= M <= FUSED_MAX_M
-    (wgmma_max_m where the wgmma kernel runs), a 4-bit weight format, K % 32 == 0 and a
+    (wgmma_max_m where the wgmma kernel runs: any M for a prepared weight), a 4-bit weight format, K % 32 == 0 and a
     power-of-two block_size >= 16."""
     x, codes = avals_in[0], avals_in[1]
     m, k = x.shape
@@ -576,7 +583,8 @@ def fused_wmatmul_applies(avals_in, params):
     folded = wmatmul_folded(params["fmt"], x.dtype, params["two_level"])
     if params["fmt"] not in FUSED_FORMATS:
         return False
-    max_m = wgmma_max_m(params["fmt"], folded) if wmatmul_tile_m(m) else FUSED_MAX_M
+    max_m = (wgmma_max_m(params["fmt"], folded, params["tiled"]) if wmatmul_tile_m(m)
+             else FUSED_MAX_M)
     return (np.dtype(x.dtype) in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
             and 1 <= m <= max_m
             and codes.shape[0] >= 1 and k % 32 == 0 and bs >= 16 and bs & (bs - 1) == 0)
@@ -632,10 +640,13 @@ def wmatmul_folded(fmt, x_dtype, two_level):
     return fmt == "nvfp4" and not two_level and np.dtype(x_dtype) == np.dtype(jnp.bfloat16)
 
 
-def wgmma_max_m(fmt, folded=False):
+def wgmma_max_m(fmt, folded=False, tiled=False):
     """The most rows of x for which the wgmma kernel runs for weight format `fmt` (where
-    available; beyond it, dequantize + dot): FUSED_MAX_M_WGMMA_FOLDED where the decode is
+    available; beyond it, dequantize + dot): FUSED_MAX_M_WGMMA_TILED (no limit) for a
+    weight in the prepared layout (`tiled`), FUSED_MAX_M_WGMMA_FOLDED where the decode is
     one multiply per pair (`folded`, wmatmul_folded), else FUSED_MAX_M_WGMMA[fmt]."""
+    if tiled:
+        return FUSED_MAX_M_WGMMA_TILED
     return FUSED_MAX_M_WGMMA_FOLDED if folded else FUSED_MAX_M_WGMMA[fmt]
 
 

@@ -288,6 +288,31 @@ def test_fused_wgmma_prepared_layout(fmt, bs, kw, dtype, rng, monkeypatch):
         _check(got, np.asarray(x, np.float32), w_ref, f"{fmt} {kw} prepared M={m} K={k} N={n}")
 
 
+@pytest.mark.parametrize("fmt,bs", [("int4", 128), ("nf4", 64)])
+def test_prepared_weight_fused_past_linear_limit(fmt, bs, rng):
+    """A prepared weight stays on the wgmma kernel past wgmma_max_m (where the linear
+    layout takes dequantize + dot); M = that limit + 1 ends in a ragged 256-row tile."""
+    _require_wgmma()
+    k, n = 256, 256
+    m = primitives.wgmma_max_m(fmt) + 1
+    w = (rng.standard_normal((k, n)) * 10.0 ** rng.integers(-3, 3, size=(1, n))).astype(np.float32)
+    q = jf.quantize(jax.device_put(jnp.asarray(w), _cpu()), fmt, axis=0, block_size=bs)
+    x = jax.device_put(jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16), _gpu())
+    f32 = jax.jit(lambda x, q: jf.dot_general(x, q, (((1,), (0,)), ((), ())),
+                                              preferred_element_type=jnp.float32))
+    qg, qpg = jax.device_put(q, _gpu()), jax.device_put(jf.prepare(q), _gpu())
+    linear, prepared = f32.lower(x, qg).as_text(), f32.lower(x, qpg).as_text()
+    assert "jax_fp4_dequantize_v1" in linear and "jax_fp4_wmatmul_v3" not in linear
+    assert "jax_fp4_wmatmul_v3" in prepared and "jax_fp4_dequantize_v1" not in prepared
+    assert "tiled = 1 " in prepared
+    jf.set_backend("reference")
+    try:
+        w_ref = np.asarray(jax.jit(lambda q: q.dequantize(jnp.bfloat16))(q)).astype(np.float32)
+    finally:
+        jf.set_backend("auto")
+    _check(f32(x, qpg), np.asarray(x, np.float32), w_ref, f"{fmt} prepared M={m}")
+
+
 def test_fused_wmatmul_nonfinite_and_vmap(rng):
     k, n = 256, 136
     w = rng.standard_normal((k, n)).astype(np.float32)

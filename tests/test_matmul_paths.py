@@ -158,15 +158,19 @@ def test_fused_wmatmul_size_rule(wgmma, monkeypatch):
     max_m = primitives.wgmma_max_m("nvfp4", folded=False) if wgmma else primitives.FUSED_MAX_M
     max_f = primitives.wgmma_max_m("nvfp4", folded=True) if wgmma else primitives.FUSED_MAX_M
     assert max_f > max_m if wgmma else max_f == max_m
-    nv, nv2 = (dict(fmt="nvfp4", block_size=16, two_level=t) for t in (False, True))
+    nv, nv2 = (dict(fmt="nvfp4", block_size=16, two_level=t, tiled=False) for t in (False, True))
     for fmt, bs in (("mxfp4", 32), ("nf4", 64), ("bnb_fp4", 64), ("int4", 128)):
         lim = primitives.wgmma_max_m(fmt) if wgmma else primitives.FUSED_MAX_M
         assert lim >= max_m, fmt
-        q = dict(fmt=fmt, block_size=bs, two_level=False)
+        q = dict(fmt=fmt, block_size=bs, two_level=False, tiled=False)
         assert ok(avals(lim, 256), q) and not ok(avals(lim + 1, 256), q), fmt
+        # a prepared weight: the wgmma kernel at any M; without it, as the linear layout
+        tiled = dict(q, tiled=True)
+        assert ok(avals(lim + 1, 256), tiled) == wgmma and ok(avals(16384, 256), tiled) == wgmma
+        assert ok(avals(lim, 256), tiled)
     if wgmma:  # the multicast formats go further than the table decode
         assert primitives.wgmma_max_m("int4") > primitives.wgmma_max_m("nf4")
-    int4 = dict(fmt="int4", block_size=128, two_level=False)
+    int4 = dict(fmt="int4", block_size=128, two_level=False, tiled=False)
     assert ok(avals(1, 256), nv)
     assert ok(avals(max_m, 256), nv2) and not ok(avals(max_m + 1, 256), nv2)
     assert ok(avals(max_f, 256), nv) and not ok(avals(max_f + 1, 256), nv)
@@ -175,7 +179,7 @@ def test_fused_wmatmul_size_rule(wgmma, monkeypatch):
     assert not ok(avals(4, 256, jnp.float32), nv)
     assert not ok(avals(4, 48), nv)  # K % 32
     assert not ok(avals(4, 288), dict(int4, block_size=48))  # odd group size
-    assert not ok(avals(4, 256), dict(fmt="mxfp8_e4m3", block_size=32, two_level=False))
+    assert not ok(avals(4, 256), dict(fmt="mxfp8_e4m3", block_size=32, two_level=False, tiled=False))
 
 
 @pytest.mark.parametrize("a_fmt,b_fmt", [("nvfp4", "nvfp4"), ("mxfp8_e4m3", "mxfp8_e5m2"),

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import jax_fp4 as jf
-from jax_fp4 import layout
+from jax_fp4 import layout, primitives
 from jax_fp4.io import safetensors as st
 from jax_fp4.nn.params import quantize_params, transpose_2d
 
@@ -139,7 +139,7 @@ def test_prepared_transpose_and_scaled_matmul(rng):
 
 def test_quantize_params_prepare_and_checkpoints(rng, tmp_path):
     tree = {"dense": {"kernel": _weight(rng, 256, 128)}, "out": {"kernel": _weight(rng, 128, 100)}}
-    plain = quantize_params(tree, "nvfp4")
+    plain = quantize_params(tree, "nvfp4", prepare=False)
     prep = quantize_params(tree, "nvfp4", prepare=True)
     assert prep["dense"]["kernel"].scale_layout == "tiled"
     assert prep["out"]["kernel"].scale_layout == "linear"  # N = 100: left linear
@@ -158,7 +158,7 @@ def test_quantize_params_prepare_and_checkpoints(rng, tmp_path):
     assert prep4["dense"]["kernel"].scale_layout == "tiled"
     st.save(str(tmp_path / "w4.safetensors"), prep4)
     lin4 = st.load(str(tmp_path / "w4.safetensors"))["dense.kernel"]
-    want4 = quantize_params(tree, "int4")["dense"]["kernel"]
+    want4 = quantize_params(tree, "int4", prepare=False)["dense"]["kernel"]
     np.testing.assert_array_equal(np.asarray(lin4.zeros), np.asarray(want4.zeros))
     back4 = st.load(str(tmp_path / "w4.safetensors"), target=prep4)["dense"]["kernel"]
     for a, b in ((back4.data, prep4["dense"]["kernel"].data),
@@ -172,8 +172,20 @@ def test_quantize_params_prepare_and_checkpoints(rng, tmp_path):
               if isinstance(x, jf.QArray)]
     assert leaves and all(x.scale_layout == "tiled" for x in leaves)
     x = jnp.asarray(rng.standard_normal((256,)), jnp.float32)
-    want = quantize_params({"l": lin}, "mxfp4")["l"](x)
+    want = quantize_params({"l": lin}, "mxfp4", prepare=False)["l"](x)
     np.testing.assert_array_equal(_bits(ql(x)), _bits(want))
+
+
+@pytest.mark.parametrize("wgmma", [False, True])
+def test_quantize_params_prepares_where_wgmma_runs(wgmma, rng, monkeypatch):
+    """prepare=None (the default): the prepared layout exactly where the wgmma kernel can
+    run (pinned either way, so the test means the same on every machine)."""
+    monkeypatch.setattr(primitives, "wgmma_available", lambda: wgmma)
+    tree = {"dense": {"kernel": _weight(rng, 256, 128)}}
+    want = "tiled" if wgmma else "linear"
+    assert quantize_params(tree, "nvfp4")["dense"]["kernel"].scale_layout == want
+    assert quantize_params(tree, "nvfp4", prepare=False)["dense"]["kernel"].scale_layout == "linear"
+    assert quantize_params(tree, "nvfp4", prepare=True)["dense"]["kernel"].scale_layout == "tiled"
 
 
 def test_quantize_params_prepare_nnx(rng):
@@ -188,7 +200,7 @@ def test_quantize_params_prepare_nnx(rng):
 
     model = Model()
     x = jnp.asarray(rng.standard_normal((2, 256)), jnp.float32)
-    want = quantize_params(model, "nvfp4")(x)
+    want = quantize_params(model, "nvfp4", prepare=False)(x)
     qm = quantize_params(model, "nvfp4", prepare=True)
     leaves = [v for v in jax.tree_util.tree_leaves(nnx.state(qm), is_leaf=lambda v: isinstance(v, jf.QArray))
               if isinstance(v, jf.QArray)]

@@ -176,7 +176,7 @@ def quantize_params(tree, format: str = "nvfp4", *, filter: Filter = None, axis=
                     block_size: Optional[int] = None, tensor_scale="auto",
                     scale_rounding: str = "floor", scale_dtype=None, strict: bool = False,
                     act_format: Optional[str] = None, act_mode: str = "fake",
-                    prepare: bool = False):
+                    prepare: Optional[bool] = None):
     """Quantize the dense-layer kernels of a parameter pytree into QArrays.
 
     Works on any pytree: a plain dict, a Flax Linen ``params`` dict, a Flax NNX ``State``
@@ -214,8 +214,10 @@ def quantize_params(tree, format: str = "nvfp4", *, filter: Filter = None, axis=
         of the new layers (see :func:`linear`).
       prepare: store the new QArrays in the fused W4A16 kernel's layout
         (:func:`jax_fp4.prepare`: 4-bit weights with N and K multiples of 128 where
-        jax_fp4.layout.tileable allows; bit-identical results, faster on a Hopper GPU, a
-        copy per call elsewhere).
+        jax_fp4.layout.tileable allows; bit-identical results, faster on a Hopper GPU at
+        every M measured, a copy per call elsewhere). None (default): where the wgmma
+        kernel can run on the default device (``jax_fp4.primitives.wgmma_available()``:
+        an sm_90 GPU and a build for sm_90a), else not.
     Returns:
       a pytree of the same structure with QArray leaves (or a new module).
     Raises:
@@ -224,6 +226,10 @@ def quantize_params(tree, format: str = "nvfp4", *, filter: Filter = None, axis=
       TypeError: a filter of the wrong type.
     """
     f, kw = _quant_kwargs(format, block_size, tensor_scale, scale_rounding, scale_dtype)
+    if prepare is None:
+        from ..primitives import wgmma_available
+
+        prepare = wgmma_available()
     if "flax" in sys.modules:
         from flax import nnx
 
