@@ -575,8 +575,8 @@ def wmatmul_grid(m, n, k, wgmma=None, sms=None):
 
 def fused_wmatmul_applies(avals_in, params):
     """Whether the fused kernel covers this call: x bf16/f16 with 1 <= M <= FUSED_MAX_M
-    (wgmma_max_m where the wgmma kernel runs: any M for a prepared weight), a 4-bit weight format, K % 32 == 0 and a
-    power-of-two block_size >= 16."""
+    (wgmma_max_m where the wgmma kernel runs: any M for a prepared weight), a 4-bit weight
+    format, K % 32 == 0 and a power-of-two block_size >= 16."""
     x, codes = avals_in[0], avals_in[1]
     m, k = x.shape
     bs = params["block_size"]

@@ -179,7 +179,8 @@ def test_fused_wmatmul_size_rule(wgmma, monkeypatch):
     assert not ok(avals(4, 256, jnp.float32), nv)
     assert not ok(avals(4, 48), nv)  # K % 32
     assert not ok(avals(4, 288), dict(int4, block_size=48))  # odd group size
-    assert not ok(avals(4, 256), dict(fmt="mxfp8_e4m3", block_size=32, two_level=False, tiled=False))
+    mxfp8 = dict(fmt="mxfp8_e4m3", block_size=32, two_level=False, tiled=False)
+    assert not ok(avals(4, 256), mxfp8)
 
 
 @pytest.mark.parametrize("a_fmt,b_fmt", [("nvfp4", "nvfp4"), ("mxfp8_e4m3", "mxfp8_e5m2"),
