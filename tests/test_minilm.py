@@ -64,7 +64,10 @@ def test_embeddings_are_meaningful(encoder):
 
 
 def test_default_dir_and_load_errors(tmp_path):
-    d = minilm.default_model_dir()
+    try:  # as the `encoder` fixture: the weights come from an optional package (CI has it)
+        d = minilm.default_model_dir()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
     assert (d / "model.safetensors").is_file() and (d / "tokenizer.json").is_file()
     with pytest.raises(FileNotFoundError, match="not a directory"):
         minilm.load_sentence_encoder(tmp_path / "nope")
