@@ -50,9 +50,11 @@ constexpr int kRowTiles = 2;                          // 16-row weight tiles per
 constexpr int kRowsPerCta = kWarps * kRowTiles * 16;  // 128
 constexpr int kStepK = 128;                           // k per super-step (staged kernel)
 constexpr int kXStride = 320;  // bytes per staged activation row: 256 + 64 (no bank conflicts)
-constexpr int kCopies = 16;    // pair-table copies (direct kernel, wgmma where they fit,
+constexpr int kCopies = 16;    // pair-table copies (direct kernel, wgmma at BN = 32 / 64,
                                // wg_copies): lane l reads copy l % 16, which lies in bank
                                // pair l % 16: conflict-free
+constexpr int kWideCopies = 32;  // wide pair-table copies (wgmma kernel, wg_copies): lane l
+                                 // reads copy l, 256-byte rows addressed by one PRMT
 constexpr int kLaneTable = 0;  // `COPIES` of the lane table (see decode_word): where
                                // shared memory, not instructions, bounds the decode
 
@@ -288,17 +290,21 @@ __device__ __forceinline__ uint32_t hsub2(uint32_t a, uint32_t b) {
 // (1024 + q) in f16 by OR-ing q into the mantissa of 128 / 1024 (Marlin's magic-number
 // trick), minus (128 + z) exactly, times s.
 // Table path (everything else): the float32 value of each code from a per-CTA table in
-// shared memory, then the reference's float32 arithmetic and one rounding. Two layouts,
-// both free of bank conflicts:
-// - pair table (COPIES = kCopies = 16, 32 KB): byte -> (value of low nibble, value of high
-//   nibble), one LDS.64 per two elements; lane l reads copy l % 16 in bank pair l % 16;
+// shared memory, then the reference's float32 arithmetic and one rounding. Three layouts,
+// all free of bank conflicts:
+// - pair table (COPIES = kCopies = 16, 32 KB): byte b -> (value of low nibble, value of
+//   high nibble) at 128 b + 8 c for copy c, one LDS.64 per two elements; lane l reads copy
+//   l % 16 in bank pair l % 16. Its address: one shift and one LOP3 (the table's address,
+//   warp-uniform, folds into the load as [R + UR]);
+// - wide pair table (COPIES = kWideCopies = 32, 64 KB): the same entries at 256 b + 8 c,
+//   lane l reads copy l: the address is one PRMT of the code word and 8 l;
 // - lane table (COPIES = kLaneTable, 2 KB aligned to 2 KB): code c of lane l at float
 //   32 c + l, so lane l reads only bank l whatever its codes: one shift, one LOP3 and one
-//   LDS.32 per element, twice the loads of the pair table and the same bytes.
-// The pair table takes fewer instructions, the lane table less shared memory: the direct
-// kernel and the wgmma kernel at BN <= 64 use the pair table, the rest the lane table
-// (wg_copies). At BN = 256 the 4 pair-table copies that fitted beside the stages made an
-// LDS.64 take 8.2 wavefronts instead of 2 (ncu, nf4; benchmarks/NOTES.md round 9).
+//   LDS.32 per element, twice the loads of the pair tables and the same bytes.
+// The pair tables take fewer instructions (an SM issues the decode's instructions at about
+// the same rate whatever they are: time follows their count, NOTES.md round 18), the lane
+// table less shared memory; wg_copies chooses per tile width, the direct kernel has 16
+// copies, the staged kernel the lane table.
 
 // (a & mask) | (b & ~mask) as one LOP3 (written out: the compiler would otherwise mask
 // the sign words itself and spend a second LOP3 per pair).
@@ -479,9 +485,16 @@ __device__ __forceinline__ void decode_word(uint32_t w, const Dec& d, const floa
         asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(lo) : "r"(select_bits<0x780u>(shift_left(w, 7 - 8 * i), copy)));
         asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(hi) : "r"(select_bits<0x780u>(shift_left(w, 3 - 8 * i), copy)));
       } else {
-        const float2 v = table[(((w >> (8 * i)) & 0xffu) * COPIES) | copy];
-        lo = v.x;
-        hi = v.y;
+        // copy = 8 c for the lane's copy c. Wide table (c = l < 32): one PRMT takes byte i of
+        // w to bits 8-15 and 8 c to bits 0-7 (the bytes above from 8 c's zero byte 1); 16
+        // copies: the byte to bits 7-14 by one shift, then one LOP3 masks it and ORs in 8 c.
+        // The table's address is warp-uniform and folds into the load ([R + UR]); volatile:
+        // the load stays after the barrier that follows fill_table.
+        static_assert(COPIES == kCopies || COPIES == kWideCopies, "pair-table rows of 128 / 256 bytes");
+        const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(table));
+        const uint32_t off = COPIES == kWideCopies ? __byte_perm(w, copy, 0x5504u | (i << 4))
+                                                   : select_bits<0x7f80u>(shift_left(w, 7 - 8 * i), copy);
+        asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(lo), "=f"(hi) : "r"(base + off));
       }
       if constexpr (FMT == kINT4) {
         lo = __fsub_rn(lo, d.z);
@@ -763,7 +776,7 @@ __global__ void __launch_bounds__(kWarps * 32, 4) wmatmul_direct_kernel(
   __shared__ __align__(16) float2 table[BITS ? 1 : 256 * kCopies];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const uint32_t copy = lane & (kCopies - 1);
+  const uint32_t copy = 8 * (lane & (kCopies - 1));
   if constexpr (!BITS) {
     fill_table<FMT, kCopies>(table, tid, kWarps * 32);
     __syncthreads();
@@ -929,18 +942,22 @@ constexpr int kWgProducerRegs = 40, kWgConsumerRegs = 232;  // 128 x 40 + 256 x 
 // decides per call (attribute `cluster`, primitives.wmatmul_cluster).
 template <int BN>
 __host__ __device__ constexpr bool wg_can_multicast() { return wg_producer<BN>(); }
-// The table path's table (fill_table, decode_word): 16 pair-table copies (conflict-free,
-// as the direct kernel) at BN <= 64, where they fit beside the stages and scale boxes
-// without costing a CTA per SM (at BN = 64 with one stage fewer) and the decode's
-// instructions bound the kernel: nf4 on 8192 x 28672 (harness) M = 16 126 -> 82 us, M = 32
-// 131 -> 87 against 4 copies (benchmarks/NOTES.md round 6), M = 64 141 -> 94 (round 7),
-// and 3-5% faster than the lane table (round 9). The lane table (2 KB) at BN >= 128,
-// where shared-memory bandwidth bounds it (M = 1024, BN = 256: 749 -> 688 us against 4
-// copies; M = 128: 138 -> 135 against 16), and for INT4's table path, whose scale and
-// zero-point boxes leave no room for 32 KB.
+// The table path's table (fill_table, decode_word), by tile width:
+// - BN = 8, 16, 128: the wide pair table (32 copies, 64 KB), one PRMT per address, beside
+//   3 stages. Harness, H100, nf4 prepared, 8192 x 28672 / 28672 x 8192, us, before -> now
+//   (16 copies with a three-op address at BN <= 16, the lane table at 128): M = 1 72.9 /
+//   64.6 -> 61.3 / 56.0, M = 16 78.9 / 69.4 -> 64.0 / 57.9, M = 128 130.7 -> 119.0
+//   (benchmarks/NOTES.md round 18).
+// - BN = 32, 64: 16 pair-table copies (32 KB), where 64 KB would cost a CTA per SM or
+//   (BN = 32 with 2 stages) 10% (H200, M = 32: 73.7 -> 80.7 us); 16 copies took M = 16 126
+//   -> 82 us, M = 32 131 -> 87 against 4 copies (round 6), M = 64 141 -> 94 (round 7).
+// - BN = 256: the lane table (2 KB); its 3 stages of 73 KB leave no room for a pair table.
+//   The wide table with 2 stages was 2-3% faster at M = 1024 but 3-4% slower at M = 4096
+//   (through JAX, H100: 2.93 / 3.01 ms against 2.85 / 2.90, round 18).
+// - INT4's table path: the lane table, its scale and zero-point boxes leave no room.
 template <int FMT, int BN>
 __host__ __device__ constexpr int wg_copies() {
-  return BN <= 64 && FMT != kINT4 ? kCopies : kLaneTable;
+  return FMT == kINT4 || BN >= 256 ? kLaneTable : BN == 32 || BN == 64 ? kCopies : kWideCopies;
 }
 template <int BN>  // code words (of each of a lane's two rows) decoded per wgmma group:
 __host__ __device__ constexpr int wg_words() { return BN >= 256 ? 1 : 2; }
@@ -958,8 +975,10 @@ __host__ __device__ constexpr int wg_sub() { return BITS && (FMT != kINT4 || TIL
 // whose 16 table copies (wg_copies) or scale and zero-point boxes (wg_boxes) fit beside
 // 3 stages at two CTAs per SM, not beside 4 (harness, H100, M = 64: nf4 141 -> 94 us, int4
 // 90 -> 75-79 us; benchmarks/NOTES.md round 7); and for stages of two steps at BN >= 16.
+// Beside the wide pair table (64 KB, wg_copies): 3.
 template <int FMT, bool BITS, int BN, bool TILED = false>
 __host__ __device__ constexpr int wg_stages() {
+  if constexpr (!BITS && wg_copies<FMT, BN>() == kWideCopies) return 3;
   return BN >= 256 || (BN == 64 && (!BITS || FMT == kINT4)) || (wg_sub<FMT, BITS, BN, TILED>() > 1 && BN >= 16) ? 3 : 4;
 }
 // L2 cache policies (CUTLASS's CacheHintSm90): the activations, which every CTA re-reads,
@@ -1130,7 +1149,7 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const uint32_t copy = kLane ? lane_table_base(table, lane) : lane & (kCopies - 1);
+  const uint32_t copy = kLane ? lane_table_base(table, lane) : 8 * (lane & (wg_copies<FMT, BN>() - 1));
   if constexpr (!BITS) if (tid < kWgThreads) fill_table<FMT, wg_copies<FMT, BN>()>(table, tid, kWgThreads);
   if (tid == 0) {
 #pragma unroll
