@@ -72,6 +72,16 @@ def _k_for(k, bs):
     return k if k % bs == 0 else bs * (k // bs + 1)
 
 
+def _ref_weight(q, dtype):
+    """The weight as the reference decodes it for W4A16 (float32, rounded to x's dtype), as
+    a float32 numpy array."""
+    jf.set_backend("reference")
+    try:
+        return np.asarray(jax.jit(lambda q: q.dequantize(dtype))(q)).astype(np.float32)
+    finally:
+        jf.set_backend("auto")
+
+
 def _check(got, x, w, what, out_dtype=None):
     """got (M, N) vs x (M, K) @ w (K, N), exact in float64; out_dtype: got is the float32
     sum rounded once to it (half an ulp more)."""
@@ -100,11 +110,7 @@ def _check_fused(fmt, bs, kw, dtype, m, k, n, family, rng, splits=None, cluster=
         w = (rng.standard_normal((k, n)) * 10.0 ** rng.integers(-3, 3, size=(1, n))).astype(np.float32)
     assert w.shape == (k, n), (w.shape, k, n)
     q = jf.quantize(jax.device_put(jnp.asarray(w), _cpu()), fmt, axis=0, block_size=bs, **kw)
-    jf.set_backend("reference")
-    try:  # the weight as the reference decodes it for W4A16: float32, rounded to x.dtype
-        w_ref = np.asarray(jax.jit(lambda q: q.dequantize(dtype))(q)).astype(np.float32)
-    finally:
-        jf.set_backend("auto")
+    w_ref = _ref_weight(q, dtype)
     qg, xg = jax.device_put(q, _gpu()), jax.device_put(x, _gpu())
     f32 = jax.jit(lambda x, q: jf.dot_general(x, q, (((1,), (0,)), ((), ())),
                                               preferred_element_type=jnp.float32))
@@ -280,11 +286,7 @@ def test_fused_wgmma_prepared_layout(fmt, bs, kw, dtype, rng, monkeypatch):
             assert "cluster = 2 " in text, m
         got, want = np.asarray(f32(x, qpg)), np.asarray(f32(x, qg))
         np.testing.assert_array_equal(got, want, err_msg=f"{fmt} {kw} M={m} K={k} N={n} S={splits}")
-        jf.set_backend("reference")
-        try:
-            w_ref = np.asarray(jax.jit(lambda q: q.dequantize(dtype))(q)).astype(np.float32)
-        finally:
-            jf.set_backend("auto")
+        w_ref = _ref_weight(q, dtype)
         _check(got, np.asarray(x, np.float32), w_ref, f"{fmt} {kw} prepared M={m} K={k} N={n}")
 
 
@@ -305,11 +307,7 @@ def test_prepared_weight_fused_past_linear_limit(fmt, bs, rng):
     assert "jax_fp4_dequantize_v1" in linear and "jax_fp4_wmatmul_v3" not in linear
     assert "jax_fp4_wmatmul_v3" in prepared and "jax_fp4_dequantize_v1" not in prepared
     assert "tiled = 1 " in prepared
-    jf.set_backend("reference")
-    try:
-        w_ref = np.asarray(jax.jit(lambda q: q.dequantize(jnp.bfloat16))(q)).astype(np.float32)
-    finally:
-        jf.set_backend("auto")
+    w_ref = _ref_weight(q, jnp.bfloat16)
     _check(f32(x, qpg), np.asarray(x, np.float32), w_ref, f"{fmt} prepared M={m}")
 
 
