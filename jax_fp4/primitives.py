@@ -431,8 +431,8 @@ def _wmatmul_transpose(ct, x, codes, scales, zeros, ts, **params):
 # - M = 1 to wgmma_max_m on sm_90a: the wgmma kernel (nvfp4 M = 1-16: 58-61 us against
 #   62-67 us direct at M = 1-8 and 90-100 us at M = 16). How far, per format
 #   (fused wgmma against dequantize + dot, ms, bench_matmul.py --rule-ms 1024 2048 4096,
-#   RESULTS.md round 6 and round 10; from M = 512-2048 the kernel multicasts x,
-#   wmatmul_cluster):
+#   RESULTS.md round 6 and round 10; from M = 512-2048 the kernel multicasts x for a
+#   linear-layout weight, wmatmul_cluster):
 #   - one-level nvfp4 with bf16 x (folded): up to M = 4096 (M = 4096: 2.59 / 2.44
 #     against 2.65 / 2.49; M = 2048: 1.30 / 1.20 against 1.44 / 1.35).
 #   - mxfp4: up to M = 4096 (since its decode is one multiply per pair where the block
@@ -664,12 +664,20 @@ def wgmma_max_m(fmt, folded=False, tiled=False):
 # - nf4 (table decode, bound by its shared-memory lookups): within 1.5% at M = 512-2048,
 #   never; bnb_fp4 decodes the same way.
 _MULTICAST_MIN_M = {"nvfp4": 2048, "mxfp4": 512, "int4": 512, "nf4": None, "bnb_fp4": None}
+# A prepared weight (one 1-D bulk copy per stage for its codes, scales and zero points)
+# runs faster without: harness, H100, 8192 x 28672 / 28672 x 8192, 1 CTA vs 2 per
+# cluster, us (benchmarks/NOTES.md round 19): M = 1024 int4 574 / 549 vs 593 / 579, mxfp4
+# 563 / 536 vs 582 / 568, nvfp4 565 / 542 vs 594 / 578, nf4 639 / 615 vs 638 / 608; M =
+# 4096 int4 2344 / 2265 vs 2370 / 2294, mxfp4 2286 / 2228 vs 2309 / 2247, nvfp4 2310 /
+# 2252 vs 2356 / 2296, nf4 2568 / 2499 vs 2562 / 2500.
+_MULTICAST_MIN_M_TILED = dict.fromkeys(_MULTICAST_MIN_M)
 
 
-def wmatmul_cluster(fmt, m, tile_m):
+def wmatmul_cluster(fmt, m, tile_m, tiled=False):
     """CTAs per cluster of the wgmma kernel (attribute `cluster`): 2 (x multicast) at
-    tile_m = 256 from _MULTICAST_MIN_M[fmt] rows of x, else 1."""
-    min_m = _MULTICAST_MIN_M[fmt]
+    tile_m = 256 from _MULTICAST_MIN_M[fmt] rows of x (_MULTICAST_MIN_M_TILED for a
+    weight in the prepared layout: never), else 1."""
+    min_m = (_MULTICAST_MIN_M_TILED if tiled else _MULTICAST_MIN_M)[fmt]
     return 2 if tile_m == 256 and min_m is not None and m >= min_m else 1
 
 
@@ -724,7 +732,7 @@ def _wmatmul_fused(x, codes, scales, zeros, ts, *, fmt, block_size, two_level, o
         jax.ShapeDtypeStruct((splits, m, codes.shape[0]), out_dtype if final else jnp.float32))(
         x, codes, scales, zeros, ts, **_attrs(fmt, block_size, two_level=two_level),
         splits=np.int64(splits), tile_m=np.int64(tile_m),
-        cluster=np.int64(wmatmul_cluster(fmt, m, tile_m)), tiled=np.int32(bool(tiled)))
+        cluster=np.int64(wmatmul_cluster(fmt, m, tile_m, tiled)), tiled=np.int32(bool(tiled)))
     return part[0] if final else part.sum(0).astype(out_dtype)
 
 

@@ -268,7 +268,7 @@ def test_fused_wgmma_prepared_layout(fmt, bs, kw, dtype, rng, monkeypatch):
     for m, k, n, splits, cluster in cases:
         monkeypatch.setattr(primitives, "wmatmul_splits",
                             lambda *a, _s=splits, **kk: _s or rule(*a, **kk))
-        monkeypatch.setattr(primitives, "_MULTICAST_MIN_M",
+        monkeypatch.setattr(primitives, "_MULTICAST_MIN_M_TILED",
                             dict.fromkeys(primitives.FUSED_FORMATS, 1 if cluster else None))
         w = (rng.standard_normal((k, n)) * 10.0 ** rng.integers(-3, 3, size=(1, n))).astype(np.float32)
         q = jf.quantize(jax.device_put(jnp.asarray(w), _cpu()), fmt, axis=0, block_size=bs, **kw)
