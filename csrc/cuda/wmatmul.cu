@@ -963,7 +963,7 @@ template <int BN>  // code words (of each of a lane's two rows) decoded per wgmm
 __host__ __device__ constexpr int wg_words() { return BN >= 256 ? 1 : 2; }
 // 128-k steps per stage: 2 for the nvfp4 / mxfp4 bit path at BN <= 32, else 1. A stage
 // of two steps is waited for, released and refilled once, and holds twice the steps
-// ahead (8 at BN = 8, 6 at BN = 16 / 32). Through JAX on the H100, 8192 x 28672 / 28672 x
+// ahead (6 at BN = 8 to 32 with wg_stages' 3). Through JAX on the H100, 8192 x 28672 / 28672 x
 // 8192: mxfp4 M = 1 59.4 / 56.5 -> 55.2 / 54.2 us, M = 16 63.1 / 60.5 -> 58.4 / 55.8; nvfp4
 // (with its scale boxes, wg_boxes) M = 16 61.5 / 60.2 -> 59.9 / 58.7, M = 1 equal
 // (benchmarks/NOTES.md round 13). INT4 (zero-point boxes: no room for 4 stages of two) was
@@ -975,10 +975,16 @@ __host__ __device__ constexpr int wg_sub() { return BITS && (FMT != kINT4 || TIL
 // whose 16 table copies (wg_copies) or scale and zero-point boxes (wg_boxes) fit beside
 // 3 stages at two CTAs per SM, not beside 4 (harness, H100, M = 64: nf4 141 -> 94 us, int4
 // 90 -> 75-79 us; benchmarks/NOTES.md round 7); and for stages of two steps at BN >= 16.
-// Beside the wide pair table (64 KB, wg_copies): 3.
+// Beside the wide pair table (64 KB, wg_copies): 3. The bit path at BN = 8: 3 (6 steps ahead
+// instead of 8: fewer bytes in flight streamed faster). Harness, H100, M = 1, 4 -> 3 stages,
+// us, 8192 x 28672 / 28672 x 8192: prepared nvfp4 51.0 / 49.9 -> 49.4 / 48.3, mxfp4 49.0 /
+// 47.5 -> 49.0 / 46.1, int4 49.4 / 46.9 -> 49.3 / 46.0 (4096 x 14336 and 8192 x 8192: -0.1 to
+// -0.4); linear nvfp4 58.3 / 56.5 -> 55.9 / 54.8, mxfp4 56.3 / 53.8 -> 55.1 / 51.8, int4 64.8 /
+// 65.5 -> 62.8 / 61.3; 5 stages 2-5% slower, 2 stages 3-6% (benchmarks/NOTES.md round 19).
 template <int FMT, bool BITS, int BN, bool TILED = false>
 __host__ __device__ constexpr int wg_stages() {
   if constexpr (!BITS && wg_copies<FMT, BN>() == kWideCopies) return 3;
+  if constexpr (BITS && BN == 8) return 3;
   return BN >= 256 || (BN == 64 && (!BITS || FMT == kINT4)) || (wg_sub<FMT, BITS, BN, TILED>() > 1 && BN >= 16) ? 3 : 4;
 }
 // L2 cache policies (CUTLASS's CacheHintSm90): the activations, which every CTA re-reads,
