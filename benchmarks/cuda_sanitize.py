@@ -2,9 +2,10 @@
 small ragged shapes. Run on a GPU machine:
 
   XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer --tool memcheck \
-      python benchmarks/cuda_sanitize.py [quant] [matmul] [bf16]
+      python benchmarks/cuda_sanitize.py [quant] [matmul | matmul8] [bf16]
 
-(bf16: quantize kernels for bfloat16 inputs only, a shorter run.)
+(bf16: quantize kernels for bfloat16 inputs only, a shorter run; matmul8: the W4A16 cases
+at M = 1 and 4 only (the 8-row wgmma tile), a shorter run than matmul's M = 1-300.)
 
 (the platform allocator gives every buffer its own cudaMalloc, so out-of-bounds accesses
 are not hidden inside XLA's memory pool; set it for racecheck too: without it racecheck
@@ -51,13 +52,16 @@ mm_cases = [("nvfp4", 16, {}), ("nvfp4", 16, {"tensor_scale": "auto"}), ("mxfp4"
             ("nf4", 64, {}), ("bnb_fp4", 32, {}), ("int4", 32, {}), ("int4", 128, {}),
             ("int4", 128, {"scale_dtype": jnp.bfloat16}), ("int4", 16, {"scale_dtype": jnp.float16})]
 grid_fill = primitives._GRID_MIN_FILL
-for fmt, bs, kw in mm_cases if "matmul" in parts else []:
+small = "matmul8" in parts
+mm_parts = mm_cases if "matmul" in parts or small else []
+linear_ms = ((1, 0), (4, 0)) if small else ((1, 0), (4, 0), (13, 0), (33, 0), (100, 0), (300, 0),
+                                            (200, grid_fill), (300, grid_fill))
+for fmt, bs, kw in mm_parts:
     for k in (3 * max(bs, 64), 2048):
         q = jf.quantize(jnp.asarray(rng.standard_normal((k, 136)), jnp.float32), fmt, axis=0,
                         block_size=bs, **kw)
         for dtype in (jnp.bfloat16, jnp.float16):
-            for m, fill in ((1, 0), (4, 0), (13, 0), (33, 0), (100, 0), (300, 0),
-                            (200, grid_fill), (300, grid_fill)):
+            for m, fill in linear_ms:
                 if fill != primitives._GRID_MIN_FILL:  # the grid is chosen at lowering time
                     primitives._GRID_MIN_FILL = fill
                     jax.clear_caches()
@@ -67,7 +71,7 @@ for fmt, bs, kw in mm_cases if "matmul" in parts else []:
 # the prepared layout (jax_fp4.prepare: 1-D bulk copies) of every case it applies to: N =
 # 256, K = 1152 (9 steps: a stage of two reaching past K) and 2048, every tile width from 8
 # to 256
-for fmt, bs, kw in mm_cases if "matmul" in parts else []:
+for fmt, bs, kw in mm_parts:
     if not layout.tileable(fmt, bs, kw.get("scale_dtype", jnp.float32), 256, 1152):
         continue
     for k in (1152, 2048):
@@ -75,7 +79,7 @@ for fmt, bs, kw in mm_cases if "matmul" in parts else []:
                                    axis=0, block_size=bs, **kw))
         assert q.scale_layout == "tiled"
         for dtype in (jnp.bfloat16, jnp.float16):
-            for m in (1, 13, 33, 100, 300):
+            for m in (1, 4) if small else (1, 13, 33, 100, 300):
                 jax.block_until_ready(jf.matmul(jnp.asarray(rng.standard_normal((m, k)), dtype), q))
                 n += 1
 print(f"cuda_sanitize: {n} kernel launches checked")
