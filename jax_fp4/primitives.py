@@ -669,7 +669,9 @@ _MULTICAST_MIN_M = {"nvfp4": 2048, "mxfp4": 512, "int4": 512, "nf4": None, "bnb_
 # cluster, us (benchmarks/NOTES.md round 19): M = 1024 int4 574 / 549 vs 593 / 579, mxfp4
 # 563 / 536 vs 582 / 568, nvfp4 565 / 542 vs 594 / 578, nf4 639 / 615 vs 638 / 608; M =
 # 4096 int4 2344 / 2265 vs 2370 / 2294, mxfp4 2286 / 2228 vs 2309 / 2247, nvfp4 2310 /
-# 2252 vs 2356 / 2296, nf4 2568 / 2499 vs 2562 / 2500.
+# 2252 vs 2356 / 2296, nf4 2568 / 2499 vs 2562 / 2500. Through JAX (trained weights, at the
+# power cap) 2-5% faster at M = 1024 and equal within the run-to-run spread at 2048-4096
+# (benchmarks/RESULTS.md round 19 B).
 _MULTICAST_MIN_M_TILED = dict.fromkeys(_MULTICAST_MIN_M)
 
 
