@@ -44,6 +44,12 @@ namespace {
     }                                                                           \
   } while (0)
 
+// an environment flag: set to anything but "0"
+bool env_flag(const char* name) {
+  const char* v = std::getenv(name);
+  return v && std::strcmp(v, "0") != 0;
+}
+
 __global__ void fill_bytes(uint8_t* p, size_t n, uint32_t seed, uint32_t mask, uint32_t base) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
     uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed;
@@ -128,7 +134,7 @@ int main(int argc, char** argv) {
   WParams p{};
   p.M = M; p.N = N; p.K = K; p.K32 = static_cast<int>(K);
   // JF4_PAD_X=1: x with M rounded up to TILE_M rows (as primitives.wmatmul_x_layout pads it)
-  p.x_rows = tile_m > 0 && std::getenv("JF4_PAD_X") ? (M + tile_m - 1) / tile_m * tile_m : M;
+  p.x_rows = tile_m > 0 && env_flag("JF4_PAD_X") ? (M + tile_m - 1) / tile_m * tile_m : M;
   p.nb = K / bs; p.bs = bs;
   while ((1 << p.bs_shift) < bs) ++p.bs_shift;
   const int64_t step = step_k(M, tile_m);
@@ -140,7 +146,7 @@ int main(int argc, char** argv) {
   p.cluster = cluster;
   // JF4_TILED=1: the prepared weight layout (jax_fp4.prepare; N and K multiples of 128):
   // random bits need no re-layout either
-  p.tiled = std::getenv("JF4_TILED") ? 1 : 0;
+  p.tiled = env_flag("JF4_TILED") ? 1 : 0;
 
   const size_t code_bytes = size_t(N) * K / 2, scale_bytes = size_t(N) * p.nb * esize;
   const size_t per_copy = code_bytes + scale_bytes + size_t(N) * p.nb;
