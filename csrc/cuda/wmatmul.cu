@@ -962,25 +962,28 @@ __host__ __device__ constexpr int wg_copies() {
 template <int BN>  // code words (of each of a lane's two rows) decoded per wgmma group:
 __host__ __device__ constexpr int wg_words() { return BN >= 256 ? 1 : 2; }
 // 128-k steps per stage: 2 for the nvfp4 / mxfp4 bit path at BN <= 64 (INT4's in the
-// prepared layout too), and for the prepared table path at BN = 32, else 1. A stage of two
-// steps is waited for, released and refilled once, and holds twice the steps ahead (6 at
-// BN = 8 to 32 with wg_stages' 3). Through JAX on the H100, 8192 x 28672 / 28672 x 8192:
-// mxfp4 M = 1 59.4 / 56.5 -> 55.2 / 54.2 us, M = 16 63.1 / 60.5 -> 58.4 / 55.8; nvfp4 (with
-// its scale boxes, wg_boxes) M = 16 61.5 / 60.2 -> 59.9 / 58.7, M = 1 equal (benchmarks/
-// NOTES.md round 13). INT4 (zero-point boxes: no room for 4 stages of two; at BN = 64 none
-// beside 2 stages of two, its scales then loaded by the lanes: 16-25% slower through JAX,
-// round 20) was 2-10% slower, the table path equal; INT4 in the prepared layout (TILED: its
-// scales and zero points 384 bytes a step at groups of 128) takes stages of two. At BN = 64
-// two stages of two steps (the same 4 steps ahead as 4 stages of one, half the barrier
-// waits, releases and copies), and for the prepared table path at BN = 32 (8 steps ahead
-// -> 4): harness, H200, 8192 x 28672 / 28672 x 8192, us: M = 64 prepared nvfp4 68.9 / 61.1
-// -> 63.0 / 57.3, mxfp4 68.8 / 61.2 -> 64.8 / 58.0, int4 71.7 / 64.0 -> 65.9 / 59.5; M = 32
-// prepared nf4 73.4 / 65.3 -> 69.4 / 62.0; through JAX, H200, M = 64, linear nvfp4 73.6 /
-// 70.4 -> 71.7 / 69.0, mxfp4 75.7 / 71.8 -> 71.9 / 68.2 (benchmarks/NOTES.md round 20). The table path at BN = 8, 16 and 64 has no room for them beside its
-// table; with the 16-copy table instead at BN = 8 and 16 it was 4-8% slower (round 20).
+// prepared layout too), for the prepared bit path at BN = 128 and the prepared table path
+// at BN = 32, else 1. A stage of two steps is waited for, released and refilled once.
+// - BN = 8 to 32, 3 stages of two (6 steps ahead). Through JAX on the H100, 8192 x 28672 /
+//   28672 x 8192: mxfp4 M = 1 59.4 / 56.5 -> 55.2 / 54.2 us, M = 16 63.1 / 60.5 -> 58.4 /
+//   55.8; nvfp4 (with its scale boxes, wg_boxes) M = 16 61.5 / 60.2 -> 59.9 / 58.7, M = 1
+//   equal (benchmarks/NOTES.md round 13). Linear INT4 (zero-point boxes: no room for 4
+//   stages of two) was 2-10% slower, the table path equal; prepared INT4 (its scales and
+//   zero points 384 bytes a step at groups of 128) takes them.
+// - BN = 64 and 128, 2 stages of two: the same 4 steps ahead as 4 stages of one, half the
+//   barrier waits, releases and copies. Harness, 8192 x 28672 / 28672 x 8192, us: H200, M =
+//   64, prepared nvfp4 68.9 / 61.1 -> 63.0 / 57.3, mxfp4 68.8 / 61.2 -> 64.8 / 58.0, int4
+//   71.7 / 64.0 -> 65.9 / 59.5; H100, M = 128 (one CTA per SM) prepared nvfp4 101.8 / 87.5
+//   -> 97.2 / 85.6, mxfp4 104.7 / 88.7 -> 98.8 / 86.1, int4 113.0 / 96.5 -> 101.8 / 89.0.
+//   Through JAX (H200, M = 64) linear nvfp4 73.6 / 70.4 -> 71.7 / 69.0 us, mxfp4 75.7 / 71.8
+//   -> 71.9 / 68.2; linear INT4 at BN = 64 would lose its scale and zero-point boxes (no room
+//   beside them): 16-25% slower.
+// - The prepared table path at BN = 32, 2 stages of two (instead of 4 of one): M = 32 nf4 73.4 / 65.3 -> 69.4 / 62.0 us (H200). At BN = 8, 16 and 64 its table
+//   leaves no room for them; with the 16-copy table instead at BN = 8 and 16 it was 4-8%
+//   slower (benchmarks/NOTES.md round 20).
 template <int FMT, bool BITS, int BN, bool TILED = false>
 __host__ __device__ constexpr int wg_sub() {
-  return (BITS && (FMT != kINT4 || TILED) && BN <= 64) || (!BITS && TILED && BN == 32) ? 2 : 1;
+  return (BITS && (FMT != kINT4 || TILED) && BN <= 64) || (TILED && (BITS ? BN == 128 : BN == 32)) ? 2 : 1;
 }
 // 4 stages where they fit, else 3: at BN = 256; at BN = 64 for the table path and INT4,
 // whose 16 table copies (wg_copies) or scale and zero-point boxes (wg_boxes) fit beside
@@ -992,15 +995,15 @@ __host__ __device__ constexpr int wg_sub() {
 // mxfp4 49.0 / 47.5 -> 49.0 / 46.1, int4 49.4 / 46.9 -> 49.3 / 46.0 (4096 x 14336 and 8192 x
 // 8192: -0.1 to -0.4); linear nvfp4 58.3 / 56.5 -> 55.9 / 54.8, mxfp4 56.3 / 53.8 -> 55.1 /
 // 51.8, int4 64.8 / 65.5 -> 62.8 / 61.3; 5 stages 2-5% slower, 2 stages 3-6% (benchmarks/
-// NOTES.md round 19). Stages of two steps at BN = 64 (wg_sub), and the prepared table path's
-// at BN = 32: 2 (a third would not leave room for two CTAs per SM). Other stage counts and
-// steps per stage at BN = 8 to 64 were slower (round 20).
+// NOTES.md round 19). Stages of two steps at BN = 64 and 128 (wg_sub), and the prepared table
+// path's at BN = 32: 2 (a third would not fit: two CTAs per SM at BN <= 64, the SM at 128).
+// Other stage counts and steps per stage at BN = 8 to 64 were slower (round 20).
 template <int FMT, bool BITS, int BN, bool TILED = false>
 __host__ __device__ constexpr int wg_stages() {
   if constexpr (!BITS && wg_copies<FMT, BN>() == kWideCopies) return 3;
   if constexpr (BITS && BN == 8) return 3;
   constexpr bool kTwo = wg_sub<FMT, BITS, BN, TILED>() > 1;
-  if constexpr (kTwo && (BN == 64 || !BITS)) return 2;
+  if constexpr (kTwo && (BN == 64 || BN == 128 || !BITS)) return 2;
   return BN >= 256 || BN == 64 || (kTwo && BN >= 16) ? 3 : 4;
 }
 // L2 cache policies (CUTLASS's CacheHintSm90): the activations, which every CTA re-reads,
@@ -1378,8 +1381,9 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
       if (step_begin + kSub * i < step_end) stage_step(step_begin + kSub * i, i);
   }
   // the scales of the next kDepth steps, in a ring indexed at compile time (the step loop
-  // is unrolled kDepth times, so no register move waits on a load early)
-  constexpr int kDepth = wg_depth<BN>();
+  // is unrolled kDepth times, so no register move waits on a load early, and covers whole
+  // stages: at BN = 128 the prepared layout's stages of two steps, its scales in the stages)
+  constexpr int kDepth = wg_depth<BN>() > kSub ? wg_depth<BN>() : kSub;
   static_assert(kDepth % kSub == 0, "the step loop's unroll must cover whole stages");
   Chunk ring[kDepth][2];
 #pragma unroll
