@@ -978,9 +978,10 @@ __host__ __device__ constexpr int wg_words() { return BN >= 256 ? 1 : 2; }
 //   Through JAX (H200, M = 64) linear nvfp4 73.6 / 70.4 -> 71.7 / 69.0 us, mxfp4 75.7 / 71.8
 //   -> 71.9 / 68.2; linear INT4 at BN = 64 would lose its scale and zero-point boxes (no room
 //   beside them): 16-25% slower.
-// - The prepared table path at BN = 32, 2 stages of two (instead of 4 of one): M = 32 nf4 73.4 / 65.3 -> 69.4 / 62.0 us (H200). At BN = 8, 16 and 64 its table
-//   leaves no room for them; with the 16-copy table instead at BN = 8 and 16 it was 4-8%
-//   slower (benchmarks/NOTES.md round 20).
+// - The prepared table path at BN = 32, 2 stages of two (instead of 4 of one): M = 32 nf4
+//   73.4 / 65.3 -> 69.4 / 62.0 us (H200). At BN = 8, 16 and 64 its table leaves no room for
+//   them; with the 16-copy table instead at BN = 8 and 16 it was 4-8% slower
+//   (benchmarks/NOTES.md round 20).
 template <int FMT, bool BITS, int BN, bool TILED = false>
 __host__ __device__ constexpr int wg_sub() {
   return (BITS && (FMT != kINT4 || TILED) && BN <= 64) || (TILED && (BITS ? BN == 128 : BN == 32)) ? 2 : 1;
@@ -988,9 +989,9 @@ __host__ __device__ constexpr int wg_sub() {
 // 4 stages where they fit, else 3: at BN = 256; at BN = 64 for the table path and INT4,
 // whose 16 table copies (wg_copies) or scale and zero-point boxes (wg_boxes) fit beside
 // 3 stages at two CTAs per SM, not beside 4 (harness, H100, M = 64: nf4 141 -> 94 us, int4
-// 90 -> 75-79 us; benchmarks/NOTES.md round 7); and for stages of two steps
-// at BN = 16, 32. Beside the wide pair table (64 KB, wg_copies): 3. The bit path at BN = 8: 3
-// (6 steps ahead instead of 8: fewer bytes in flight streamed faster). Harness, H100, M = 1,
+// 90 -> 75-79 us; benchmarks/NOTES.md round 7); and for stages of two steps at BN = 16, 32.
+// Beside the wide pair table (64 KB, wg_copies): 3. The bit path at BN = 8: 3 (6 steps
+// ahead instead of 8: fewer bytes in flight streamed faster). Harness, H100, M = 1,
 // 4 -> 3 stages, us, 8192 x 28672 / 28672 x 8192: prepared nvfp4 51.0 / 49.9 -> 49.4 / 48.3,
 // mxfp4 49.0 / 47.5 -> 49.0 / 46.1, int4 49.4 / 46.9 -> 49.3 / 46.0 (4096 x 14336 and 8192 x
 // 8192: -0.1 to -0.4); linear nvfp4 58.3 / 56.5 -> 55.9 / 54.8, mxfp4 56.3 / 53.8 -> 55.1 /
