@@ -961,50 +961,57 @@ __host__ __device__ constexpr int wg_copies() {
 }
 template <int BN>  // code words (of each of a lane's two rows) decoded per wgmma group:
 __host__ __device__ constexpr int wg_words() { return BN >= 256 ? 1 : 2; }
-// 128-k steps per stage: 2 for the nvfp4 / mxfp4 bit path at BN <= 64 (INT4's in the
-// prepared layout too), for the prepared bit path at BN = 128 and the prepared table path
-// at BN = 32, else 1. A stage of two steps is waited for, released and refilled once.
+// 128-k steps per stage: 2 for the bit path at BN <= 64, for the prepared bit path at
+// BN = 128, the table path at BN = 8 and the prepared table path at BN = 32, else 1. A
+// stage of two steps is waited for, released and refilled once.
 // - BN = 8 to 32, 3 stages of two (6 steps ahead). Through JAX on the H100, 8192 x 28672 /
 //   28672 x 8192: mxfp4 M = 1 59.4 / 56.5 -> 55.2 / 54.2 us, M = 16 63.1 / 60.5 -> 58.4 /
 //   55.8; nvfp4 (with its scale boxes, wg_boxes) M = 16 61.5 / 60.2 -> 59.9 / 58.7, M = 1
-//   equal (benchmarks/NOTES.md round 13). Linear INT4 (zero-point boxes: no room for 4
-//   stages of two) was 2-10% slower, the table path equal; prepared INT4 (its scales and
-//   zero points 384 bytes a step at groups of 128) takes them.
+//   equal (benchmarks/NOTES.md round 13). Linear INT4 with its scale and zero-point boxes
+//   (2 stages of two at BN = 32, where 3 do not fit): harness, H100, 8192 x 28672 / 28672
+//   x 8192, us, M = 1 63.0 / 62.4 -> 59.9 / 53.9, M = 16 66.5 / 69.9 -> 62.4 / 56.2, M = 32
+//   73.1 / 75.0 -> 65.6 / 59.2 (round 21; before, it lacked the room for the boxes).
 // - BN = 64 and 128, 2 stages of two: the same 4 steps ahead as 4 stages of one, half the
 //   barrier waits, releases and copies. Harness, 8192 x 28672 / 28672 x 8192, us: H200, M =
 //   64, prepared nvfp4 68.9 / 61.1 -> 63.0 / 57.3, mxfp4 68.8 / 61.2 -> 64.8 / 58.0, int4
 //   71.7 / 64.0 -> 65.9 / 59.5; H100, M = 128 (one CTA per SM) prepared nvfp4 101.8 / 87.5
 //   -> 97.2 / 85.6, mxfp4 104.7 / 88.7 -> 98.8 / 86.1, int4 113.0 / 96.5 -> 101.8 / 89.0.
 //   Through JAX (H200, M = 64) linear nvfp4 73.6 / 70.4 -> 71.7 / 69.0 us, mxfp4 75.7 / 71.8
-//   -> 71.9 / 68.2; linear INT4 at BN = 64 would lose its scale and zero-point boxes (no room
-//   beside them): 16-25% slower.
+//   -> 71.9 / 68.2; linear INT4 (harness, H100) 77.0 / 77.0 -> 74.9 / 67.9 (round 21: with
+//   its boxes, which fit since the shared memory lost its 1 KB alignment slack; without
+//   them, round 20, 16-25% slower). The linear layout at BN = 128 was 0-5% slower (H200).
 // - The prepared table path at BN = 32, 2 stages of two (instead of 4 of one): M = 32 nf4
-//   73.4 / 65.3 -> 69.4 / 62.0 us (H200). At BN = 8, 16 and 64 its table leaves no room for
-//   them; with the 16-copy table instead at BN = 8 and 16 it was 4-8% slower
-//   (benchmarks/NOTES.md round 20).
+//   73.4 / 65.3 -> 69.4 / 62.0 us (H200); the linear layout's equal (round 21). At BN = 8,
+//   2 stages of two beside the wide table (3 of one before; it fits without the alignment
+//   slack): harness, H100, nf4 M = 1 prepared 60.6 / 55.4 -> 59.0 / 54.3 us, linear 69.5 /
+//   65.6 -> 66.0 / 60.7 (round 21). At BN = 16 and 64 the table leaves no room for them;
+//   with the 16-copy table instead at BN = 8 and 16 it was 4-8% slower (round 20).
 template <int FMT, bool BITS, int BN, bool TILED = false>
 __host__ __device__ constexpr int wg_sub() {
-  return (BITS && (FMT != kINT4 || TILED) && BN <= 64) || (TILED && (BITS ? BN == 128 : BN == 32)) ? 2 : 1;
+  return (BITS && BN <= 64) || (!BITS && FMT != kINT4 && BN == 8) || (TILED && (BITS ? BN == 128 : BN == 32))
+             ? 2
+             : 1;
 }
-// 4 stages where they fit, else 3: at BN = 256; at BN = 64 for the table path and INT4,
-// whose 16 table copies (wg_copies) or scale and zero-point boxes (wg_boxes) fit beside
-// 3 stages at two CTAs per SM, not beside 4 (harness, H100, M = 64: nf4 141 -> 94 us, int4
-// 90 -> 75-79 us; benchmarks/NOTES.md round 7); and for stages of two steps at BN = 16, 32.
-// Beside the wide pair table (64 KB, wg_copies): 3. The bit path at BN = 8: 3 (6 steps
-// ahead instead of 8: fewer bytes in flight streamed faster). Harness, H100, M = 1,
+// 4 stages where they fit, else 3: at BN = 256; at BN = 64 for the table path, whose 16
+// table copies (wg_copies) fit beside 3 stages at two CTAs per SM, not beside 4 (harness,
+// H100, M = 64: nf4 141 -> 94 us; benchmarks/NOTES.md round 7); and for stages of two steps
+// at BN = 16, 32. Beside the wide pair table (64 KB, wg_copies): 3, or 2 of two steps at
+// BN = 8. The bit path at BN = 8: 3 (6 steps ahead instead of 8: fewer bytes in flight
+// streamed faster). Harness, H100, M = 1,
 // 4 -> 3 stages, us, 8192 x 28672 / 28672 x 8192: prepared nvfp4 51.0 / 49.9 -> 49.4 / 48.3,
 // mxfp4 49.0 / 47.5 -> 49.0 / 46.1, int4 49.4 / 46.9 -> 49.3 / 46.0 (4096 x 14336 and 8192 x
 // 8192: -0.1 to -0.4); linear nvfp4 58.3 / 56.5 -> 55.9 / 54.8, mxfp4 56.3 / 53.8 -> 55.1 /
 // 51.8, int4 64.8 / 65.5 -> 62.8 / 61.3; 5 stages 2-5% slower, 2 stages 3-6% (benchmarks/
-// NOTES.md round 19). Stages of two steps at BN = 64 and 128 (wg_sub), and the prepared table
-// path's at BN = 32: 2 (a third would not fit: two CTAs per SM at BN <= 64, the SM at 128).
+// NOTES.md round 19). Stages of two steps at BN = 64 and 128 (wg_sub), the prepared table
+// path's at BN = 32 and linear INT4's at BN = 32: 2 (a third would not fit: two CTAs per SM
+// at BN <= 64, the SM at 128).
 // Other stage counts and steps per stage at BN = 8 to 64 were slower (round 20).
 template <int FMT, bool BITS, int BN, bool TILED = false>
 __host__ __device__ constexpr int wg_stages() {
-  if constexpr (!BITS && wg_copies<FMT, BN>() == kWideCopies) return 3;
+  if constexpr (!BITS && wg_copies<FMT, BN>() == kWideCopies) return BN == 8 ? 2 : 3;
   if constexpr (BITS && BN == 8) return 3;
   constexpr bool kTwo = wg_sub<FMT, BITS, BN, TILED>() > 1;
-  if constexpr (kTwo && (BN == 64 || BN == 128 || !BITS)) return 2;
+  if constexpr (kTwo && (BN == 64 || BN == 128 || !BITS || (FMT == kINT4 && !TILED && BN == 32))) return 2;
   return BN >= 256 || BN == 64 || (kTwo && BN >= 16) ? 3 : 4;
 }
 // L2 cache policies (CUTLASS's CacheHintSm90): the activations, which every CTA re-reads,
@@ -1022,13 +1029,32 @@ template <int FMT, bool BITS, int BN>  // a stage's box width: 16 bytes per step
 __host__ __device__ constexpr int wg_box_cols() { return kWgBoxCols * wg_sub<FMT, BITS, BN>(); }
 template <int FMT, bool BITS, int BN>  // a stage's scale box, and INT4's zero-point box
 __host__ __device__ constexpr int wg_side_bytes() { return (FMT == kINT4 ? 2 : 1) * kWgRows * wg_box_cols<FMT, BITS, BN>(); }
+// The dynamic shared memory, from its base (1024-aligned: the 128-byte TMA swizzle's atom,
+// by the `.align 1024` of its declaration): the stages (the epilogue's tile reuses them),
+// the table path's table (the lane table 2 KB-aligned at run time: 1 KB more room), then
+// the `full`, `empty` and `pair` mbarriers, 8 bytes per stage each. No alignment slack and
+// no static shared memory: a CTA takes what this says plus the 1 KB reserved per CTA
+// (kSmemReserved), which is what decides two CTAs per SM at BN <= 64.
 template <int FMT, int BN, bool BITS, bool TILED = false>
-__host__ __device__ constexpr int wg_smem_for(int stage_bytes) {
+__host__ __device__ constexpr int wg_table_off(int stage_bytes) {
   const int pipe = wg_stages<FMT, BITS, BN, TILED>() * stage_bytes;
   const int epi = BN * kOutStride * 4;
-  return 1024 /* alignment slack */ + (pipe > epi ? pipe : epi) +
+  return ((pipe > epi ? pipe : epi) + 1023) / 1024 * 1024;
+}
+template <int FMT, int BN, bool BITS, bool TILED = false>
+__host__ __device__ constexpr int wg_bar_off(int stage_bytes) {
+  return wg_table_off<FMT, BN, BITS, TILED>(stage_bytes) +
          (BITS ? 0 : table_bytes<wg_copies<FMT, BN>()>() +
                      (wg_copies<FMT, BN>() == kLaneTable ? kLaneTableAlign - 1024 : 0));
+}
+template <int FMT, int BN, bool BITS, bool TILED = false>
+__host__ __device__ constexpr int wg_smem_for(int stage_bytes) {
+  return wg_bar_off<FMT, BN, BITS, TILED>(stage_bytes) + 3 * 8 * wg_stages<FMT, BITS, BN, TILED>();
+}
+constexpr int kSmemReserved = 1024;  // shared memory the driver reserves per CTA (sm_80 on)
+template <int FMT, int BN, bool BITS, bool TILED = false>  // wg_ctas CTAs fit an SM (228 KB)
+__host__ __device__ constexpr bool wg_fits(int stage_bytes) {
+  return wg_ctas<BN>() * (wg_smem_for<FMT, BN, BITS, TILED>(stage_bytes) + kSmemReserved) <= 228 * 1024;
 }
 // The prepared ("tiled") weight layout of jax_fp4.prepare (jax_fp4/layout.py, tile_rows):
 // the codes (128 rows x 64 bytes), scales (128 rows x tile_srow bytes) and INT4 zero
@@ -1061,14 +1087,12 @@ __host__ __device__ constexpr int wg_tiled_side_bytes() {
 // at M = 16 and equal at M = 64; in round 13 the lane loads, 2 steps ahead, held 11% of
 // the stall samples at M = 1, and the boxes with wg_sub took M = 16 2.5% faster through
 // JAX, M = 1 equal; mxfp4 and int4 gain 7-27% from the boxes, round 4),
-// and only where the boxes do not cost a CTA per SM (228 KB per SM, 1 KB reserved per CTA,
-// the barriers static).
+// and only where the boxes do not cost a CTA per SM (wg_fits).
 template <int FMT, bool BITS, int BN>
 __host__ __device__ constexpr bool wg_boxes() {
   return BN <= 128 && (FMT != kNVFP4 || BN <= 32) &&
-         wg_ctas<BN>() * (wg_smem_for<FMT, BN, BITS>(wg_sub<FMT, BITS, BN>() * (wg_x_bytes<BN>() + kWgCodeBytes) +
-                                                     wg_side_bytes<FMT, BITS, BN>()) +
-                          1024 + 2 * wg_stages<FMT, BITS, BN>() * 8) <= 228 * 1024;
+         wg_fits<FMT, BN, BITS>(wg_sub<FMT, BITS, BN>() * (wg_x_bytes<BN>() + kWgCodeBytes) +
+                                wg_side_bytes<FMT, BITS, BN>());
 }
 // stage = [activation tiles | weight codes | scale boxes or prepared scales], the first
 // two one per step it holds; the last the scale boxes' room (where they fit) in the linear
@@ -1078,6 +1102,9 @@ __host__ __device__ constexpr int wg_stage_bytes() {
   return wg_sub<FMT, BITS, BN, TILED>() * (wg_x_bytes<BN>() + kWgCodeBytes) +
          (TILED ? wg_tiled_side_bytes<FMT, BITS, BN>() : wg_boxes<FMT, BITS, BN>() ? wg_side_bytes<FMT, BITS, BN>() : 0);
 }
+static_assert(wg_boxes<kINT4, true, 8>() && wg_boxes<kINT4, true, 16>() && wg_boxes<kINT4, true, 32>() &&
+                  wg_boxes<kINT4, true, 64>(),
+              "linear INT4's stages of two (wg_sub) are measured with its scale and zero-point boxes");
 template <int FMT, bool BITS, int BN, bool TILED>
 __host__ __device__ constexpr int wg_smem_bytes() {
   return wg_smem_for<FMT, BN, BITS, TILED>(wg_stage_bytes<FMT, BITS, BN, TILED>());
@@ -1152,25 +1179,22 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
   // where in a stage: step h's activation tile, its codes, the boxes (width kBoxCols)
   constexpr int kX = wg_x_bytes<BN>(), kCodes = kSub * kX, kSide = kSub * (kX + kWgCodeBytes);
   constexpr int kBoxCols = wg_box_cols<FMT, BITS, BN>();
-  constexpr int kPipe = kStages * kStage;
   // the scales come with the stages: boxes (launch_wgmma: where the scale rows allow), or
   // the prepared layout's bulk copies
   constexpr bool kSideScales = wg_boxes<FMT, BITS, BN>() || TILED;
   constexpr bool tiled = TILED;
   const bool boxes = (wg_boxes<FMT, BITS, BN>() && p.scale_boxes) || tiled;
-  constexpr int kEpi = BN * kOutStride * 4;
-  extern __shared__ uint8_t smem_raw[];
-  __shared__ __align__(8) uint64_t full[kStages];   // stage j holds its step's activations
-  __shared__ __align__(8) uint64_t empty[kStages];  // every warp is done with stage j (release)
-  __shared__ __align__(8) uint64_t pair[kStages];   // ... in every CTA of the cluster
-  const uint32_t raw_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
-  uint8_t* smem = smem_raw + (((raw_addr + 1023u) & ~1023u) - raw_addr);  // 1024-aligned
+  // the layout of wg_smem_for; the base's alignment is the declaration's (PTX ISA 5.4.5:
+  // `.align` gives the variable's address), checked once as the swizzle depends on it
+  extern __shared__ __align__(1024) uint8_t smem[];
   const uint32_t smem_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  const uint32_t full_addr = static_cast<uint32_t>(__cvta_generic_to_shared(full));
-  const uint32_t empty_addr = static_cast<uint32_t>(__cvta_generic_to_shared(empty));
-  const uint32_t pair_addr = static_cast<uint32_t>(__cvta_generic_to_shared(pair));
+  if (smem_addr & 1023u) __trap();
+  // full[j]: stage j holds its steps; empty[j]: every warp is done with stage j (release);
+  // pair[j]: ... in every CTA of the cluster
+  const uint32_t full_addr = smem_addr + wg_bar_off<FMT, BN, BITS, TILED>(kStage);
+  const uint32_t empty_addr = full_addr + 8 * kStages, pair_addr = empty_addr + 8 * kStages;
   constexpr bool kLane = wg_copies<FMT, BN>() == kLaneTable;
-  float2* table = align_shared(reinterpret_cast<float2*>(smem + (kPipe > kEpi ? kPipe : kEpi)),
+  float2* table = align_shared(reinterpret_cast<float2*>(smem + wg_table_off<FMT, BN, BITS, TILED>(kStage)),
                                kLane ? kLaneTableAlign : 16);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -1617,8 +1641,8 @@ cudaError_t launch_wgmma(cudaStream_t stream, const uint16_t* xp, const uint8_t*
   constexpr int kSmemTiled = wg_smem_bytes<FMT, BITS, BN, true>();
   static_assert(kSmemLinear <= 227 * 1024 && kSmemTiled <= 227 * 1024,
                 "the stages, epilogue and table must fit an SM's shared memory");
-  static_assert(wg_ctas<BN>() * (kSmemLinear + 1024 + 3 * wg_stages<FMT, BITS, BN, false>() * 8) <= 228 * 1024 &&
-                wg_ctas<BN>() * (kSmemTiled + 1024 + 3 * wg_stages<FMT, BITS, BN, true>() * 8) <= 228 * 1024,
+  static_assert(wg_fits<FMT, BN, BITS, false>(wg_stage_bytes<FMT, BITS, BN, false>()) &&
+                    wg_fits<FMT, BN, BITS, true>(wg_stage_bytes<FMT, BITS, BN, true>()),
                 "the CTAs per SM the kernel is built for must fit an SM's shared memory");
   static const cudaError_t ready = prepare_wgmma(wmatmul_wgmma_kernel<FMT, BF16, BITS, BN, false>, kSmemLinear);
   static const cudaError_t ready_tiled = prepare_wgmma(wmatmul_wgmma_kernel<FMT, BF16, BITS, BN, true>, kSmemTiled);
