@@ -1184,11 +1184,16 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
   constexpr bool kSideScales = wg_boxes<FMT, BITS, BN>() || TILED;
   constexpr bool tiled = TILED;
   const bool boxes = (wg_boxes<FMT, BITS, BN>() && p.scale_boxes) || tiled;
-  // the layout of wg_smem_for; the base's alignment is the declaration's (PTX ISA 5.4.5:
-  // `.align` gives the variable's address), checked once as the swizzle depends on it
-  extern __shared__ __align__(1024) uint8_t smem[];
+  // the layout of wg_smem_for; the base's 1024-byte alignment, which the 128-byte swizzle
+  // needs, is the declaration's (PTX ISA 5.4.5: `.align` gives the variable's address; the
+  // compiler relies on it too and folds a run-time check of it away). The base is still
+  // taken as the run-time address rounded up to 1024, the same address: with the symbol's
+  // address itself ptxas scheduled the prepared INT4 kernels at 8- and 16-row tiles 1.5-2%
+  // slower (harness, H100; benchmarks/NOTES.md round 21).
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  const uint32_t raw_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
+  uint8_t* smem = smem_raw + (((raw_addr + 1023u) & ~1023u) - raw_addr);
   const uint32_t smem_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  if (smem_addr & 1023u) __trap();
   // full[j]: stage j holds its steps; empty[j]: every warp is done with stage j (release);
   // pair[j]: ... in every CTA of the cluster
   const uint32_t full_addr = smem_addr + wg_bar_off<FMT, BN, BITS, TILED>(kStage);
