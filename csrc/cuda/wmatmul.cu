@@ -969,7 +969,7 @@ __host__ __device__ constexpr int wg_words() { return BN >= 256 ? 1 : 2; }
 //   55.8; nvfp4 (with its scale boxes, wg_boxes) M = 16 61.5 / 60.2 -> 59.9 / 58.7, M = 1
 //   equal (benchmarks/NOTES.md round 13). Linear INT4 with its scale and zero-point boxes
 //   (2 stages of two at BN = 32, where 3 do not fit): harness, H100, 8192 x 28672 / 28672
-//   x 8192, us, M = 1 63.0 / 62.4 -> 59.9 / 53.9, M = 16 66.5 / 69.9 -> 62.4 / 56.2, M = 32
+//   x 8192, us, M = 1 63.0 / 62.5 -> 59.9 / 53.9, M = 16 66.5 / 69.9 -> 62.4 / 56.2, M = 32
 //   73.1 / 75.0 -> 65.6 / 59.2 (round 21; before, it lacked the room for the boxes).
 // - BN = 64 and 128, 2 stages of two: the same 4 steps ahead as 4 stages of one, half the
 //   barrier waits, releases and copies. Harness, 8192 x 28672 / 28672 x 8192, us: H200, M =
@@ -977,14 +977,14 @@ __host__ __device__ constexpr int wg_words() { return BN >= 256 ? 1 : 2; }
 //   71.7 / 64.0 -> 65.9 / 59.5; H100, M = 128 (one CTA per SM) prepared nvfp4 101.8 / 87.5
 //   -> 97.2 / 85.6, mxfp4 104.7 / 88.7 -> 98.8 / 86.1, int4 113.0 / 96.5 -> 101.8 / 89.0.
 //   Through JAX (H200, M = 64) linear nvfp4 73.6 / 70.4 -> 71.7 / 69.0 us, mxfp4 75.7 / 71.8
-//   -> 71.9 / 68.2; linear INT4 (harness, H100) 77.0 / 77.0 -> 74.9 / 67.9 (round 21: with
+//   -> 71.9 / 68.2; linear INT4 (harness, H100) 77.1 / 77.0 -> 74.9 / 67.9 (round 21: with
 //   its boxes, which fit since the shared memory lost its 1 KB alignment slack; without
 //   them, round 20, 16-25% slower). The linear layout at BN = 128 was 0-5% slower (H200).
 // - The prepared table path at BN = 32, 2 stages of two (instead of 4 of one): M = 32 nf4
 //   73.4 / 65.3 -> 69.4 / 62.0 us (H200); the linear layout's equal (round 21). At BN = 8,
 //   2 stages of two beside the wide table (3 of one before; it fits without the alignment
-//   slack): harness, H100, nf4 M = 1 prepared 60.6 / 55.4 -> 59.0 / 54.3 us, linear 69.5 /
-//   65.6 -> 66.0 / 60.7 (round 21). At BN = 16 and 64 the table leaves no room for them;
+//   slack): harness, H100, nf4 M = 1 prepared 60.6 / 55.4 -> 59.0 / 54.3 us, linear 69.6 /
+//   65.7 -> 66.0 / 60.7 (round 21). At BN = 16 and 64 the table leaves no room for them;
 //   with the 16-copy table instead at BN = 8 and 16 it was 4-8% slower (round 20).
 template <int FMT, bool BITS, int BN, bool TILED = false>
 __host__ __device__ constexpr int wg_sub() {
