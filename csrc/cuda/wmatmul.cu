@@ -448,6 +448,53 @@ __device__ __forceinline__ void make_decs(const Chunk& c, float ts, const WParam
 // w << s, or w >> -s for s < 0 (|s| < 32; s a constant once the caller's loop is unrolled)
 __device__ __forceinline__ uint32_t shift_left(uint32_t w, int s) { return s >= 0 ? w << s : w >> -s; }
 
+// Table path: the values of byte i of code word w (low nibble, high nibble) from the table
+// (table_pair), scaled (INT4: after its zero point) into a bf16 / f16 pair, each product
+// rounded once as the reference rounds it (finish_pair). decode_word does both per byte;
+// the wgmma kernel's table_load / table_finish split them to issue a group's loads ahead
+// of the multiplies of the group before (wg_table_ahead).
+template <int COPIES>
+__device__ __forceinline__ void table_pair(uint32_t w, int i, const float2* table, uint32_t copy, float& lo,
+                                           float& hi) {
+  if constexpr (COPIES == kLaneTable) {
+    // copy = lane_table_base: the nibble to address bits 7-10 by one shift, then one
+    // LOP3 masks it and ORs in the 2 KB-aligned table's address + 4 l (volatile: the
+    // load stays after the barrier that follows fill_table)
+    asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(lo) : "r"(select_bits<0x780u>(shift_left(w, 7 - 8 * i), copy)));
+    asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(hi) : "r"(select_bits<0x780u>(shift_left(w, 3 - 8 * i), copy)));
+  } else {
+    // copy = 8 c for the lane's copy c. Wide table (c = l < 32): one PRMT takes byte i of
+    // w to bits 8-15 and 8 c to bits 0-7 (the bytes above from 8 c's zero byte 1); 16
+    // copies: the byte to bits 7-14 by one shift, then one LOP3 masks it and ORs in 8 c.
+    // The table's address is warp-uniform and folds into the load ([R + UR]); volatile:
+    // the load stays after the barrier that follows fill_table.
+    static_assert(COPIES == kCopies || COPIES == kWideCopies, "pair-table rows of 128 / 256 bytes");
+    const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(table));
+    const uint32_t off = COPIES == kWideCopies ? __byte_perm(w, copy, 0x5504u | (i << 4))
+                                               : select_bits<0x7f80u>(shift_left(w, 7 - 8 * i), copy);
+    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(lo), "=f"(hi) : "r"(base + off));
+  }
+}
+template <int FMT, bool BF16>
+__device__ __forceinline__ uint32_t finish_pair(float lo, float hi, const Dec& d) {
+  if constexpr (FMT == kINT4) {
+    lo = __fsub_rn(lo, d.z);
+    hi = __fsub_rn(hi, d.z);
+  }
+  return pack2<BF16>(__fmul_rn(lo, d.s), __fmul_rn(hi, d.s));
+}
+// v[2 i], v[2 i + 1] = the table values of byte i of w
+template <int COPIES>
+__device__ __forceinline__ void table_load(uint32_t w, const float2* table, uint32_t copy, float v[8]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) table_pair<COPIES>(w, i, table, copy, v[2 * i], v[2 * i + 1]);
+}
+template <int FMT, bool BF16>
+__device__ __forceinline__ void table_finish(const float v[8], const Dec& d, uint32_t out[4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) out[i] = finish_pair<FMT, BF16>(v[2 * i], v[2 * i + 1], d);
+}
+
 // FIX = false: an MXFP4 bit-path word without its second scale factor, which the caller
 // applies to its group of words where mx_scale_fixup says (the wgmma kernel).
 template <int FMT, bool BF16, bool BITS, int COPIES, bool FIX = true>
@@ -476,31 +523,11 @@ __device__ __forceinline__ void decode_word(uint32_t w, const Dec& d, const floa
     }
   } else {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < 4; ++i) {  // each byte's loads, then its multiplies (all loads first:
+                                   // BN = 16 ran 3% slower, NOTES.md round 22)
       float lo, hi;
-      if constexpr (COPIES == kLaneTable) {
-        // copy = lane_table_base: the nibble to address bits 7-10 by one shift, then one
-        // LOP3 masks it and ORs in the 2 KB-aligned table's address + 4 l (volatile: the
-        // load stays after the barrier that follows fill_table)
-        asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(lo) : "r"(select_bits<0x780u>(shift_left(w, 7 - 8 * i), copy)));
-        asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(hi) : "r"(select_bits<0x780u>(shift_left(w, 3 - 8 * i), copy)));
-      } else {
-        // copy = 8 c for the lane's copy c. Wide table (c = l < 32): one PRMT takes byte i of
-        // w to bits 8-15 and 8 c to bits 0-7 (the bytes above from 8 c's zero byte 1); 16
-        // copies: the byte to bits 7-14 by one shift, then one LOP3 masks it and ORs in 8 c.
-        // The table's address is warp-uniform and folds into the load ([R + UR]); volatile:
-        // the load stays after the barrier that follows fill_table.
-        static_assert(COPIES == kCopies || COPIES == kWideCopies, "pair-table rows of 128 / 256 bytes");
-        const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(table));
-        const uint32_t off = COPIES == kWideCopies ? __byte_perm(w, copy, 0x5504u | (i << 4))
-                                                   : select_bits<0x7f80u>(shift_left(w, 7 - 8 * i), copy);
-        asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(lo), "=f"(hi) : "r"(base + off));
-      }
-      if constexpr (FMT == kINT4) {
-        lo = __fsub_rn(lo, d.z);
-        hi = __fsub_rn(hi, d.z);
-      }
-      out[i] = pack2<BF16>(__fmul_rn(lo, d.s), __fmul_rn(hi, d.s));
+      table_pair<COPIES>(w, i, table, copy, lo, hi);
+      out[i] = finish_pair<FMT, BF16>(lo, hi, d);
     }
   }
 }
@@ -959,8 +986,22 @@ template <int FMT, int BN>
 __host__ __device__ constexpr int wg_copies() {
   return FMT == kINT4 || BN >= 256 ? kLaneTable : BN == 32 || BN == 64 ? kCopies : kWideCopies;
 }
-template <int BN>  // code words (of each of a lane's two rows) decoded per wgmma group:
-__host__ __device__ constexpr int wg_words() { return BN >= 256 ? 1 : 2; }
+// Code words (of each of a lane's two rows) decoded per wgmma group: 2, or 1 at BN = 256
+// and for the table path at BN = 8 (with its loads ahead, below), but INT4's (with one
+// word there ptxas serializes its wgmmas, C7513).
+template <int FMT, bool BITS, int BN>
+__host__ __device__ constexpr int wg_words() { return BN >= 256 || (!BITS && FMT != kINT4 && BN == 8) ? 1 : 2; }
+// Whether the table path loads a group's table values before issuing the wgmmas of the
+// group before (the group's multiplies after them; table_load / table_finish): at BN = 256,
+// and at BN = 8 where it has one word per group. Harness, nf4, H100, us, 8192 x 28672 /
+// 28672 x 8192 (two machines, 4 passes): linear M = 1 65.6-66.6 / 60.4-61.1 -> 64.0-64.9 /
+// 59.7-60.0, prepared M = 1 59.6-59.8 / 54.4-54.8 -> 58.9-59.5 / 53.5-54.2; 8192 x 28672
+// prepared M = 256 175.7-177.5 -> 172.5-174.1, M = 1024 616.2-617.9 -> 607.7-609.7; H200
+// alike (M = 4096 2468-2499 -> 2436-2440). At BN = 16-128 1-5% slower with two words (M =
+// 16 63.3 / 57.5 -> 66.7 / 59.9), up to 27% with one; loading the next step's first group
+// during the step before too, 3-19% slower (benchmarks/NOTES.md round 22).
+template <int FMT, int BN>
+__host__ __device__ constexpr bool wg_table_ahead() { return BN == 256 || (BN == 8 && wg_words<FMT, false, BN>() == 1); }
 // 128-k steps per stage: 2 for the bit path at BN <= 64, for the prepared bit path at
 // BN = 128, the table path at BN = 8 and the prepared table path at BN = 32, else 1. A
 // stage of two steps is waited for, released and refilled once.
@@ -1172,7 +1213,8 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kStages = wg_stages<FMT, BITS, BN, TILED>();
   constexpr bool kProducer = wg_producer<BN>();
-  constexpr int kWords = wg_words<BN>();
+  constexpr int kWords = wg_words<FMT, BITS, BN>();
+  constexpr bool kAhead = !BITS && wg_table_ahead<FMT, BN>();
   constexpr int kStage = wg_stage_bytes<FMT, BITS, BN, TILED>();
   constexpr int kSub = wg_sub<FMT, BITS, BN, TILED>();  // steps per stage
   static_assert(kSub <= 2, "a stage's scale box covers two steps' bytes (launch_wgmma)");
@@ -1473,6 +1515,16 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
     // every iteration), which is safe only once their wgmmas are done (PTX ISA:
     // wgmma.mma_async inputs may not change before the wgmma.wait_group that covers it;
     // two in flight failed the GPU tests).
+    // kAhead: the table values of a group's words (tv), loaded before the wgmmas of the
+    // group before
+    float tv[kAhead ? kWords : 1][2][8];
+    auto group_loads = [&](int w0) {
+#pragma unroll
+      for (int w = 0; w < kWords; ++w)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) table_load<wg_copies<FMT, BN>()>(word_of(cur[h].q, w0 + w), table, copy, tv[w][h]);
+    };
+    if constexpr (kAhead) group_loads(0);
 #pragma unroll
     for (int w0 = 0; w0 < 4; w0 += kWords) {
       uint32_t a[2 * kWords][4];
@@ -1481,9 +1533,13 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
         const int s2 = w0 + w;
         uint32_t r[2][4];
 #pragma unroll
-        for (int h = 0; h < 2; ++h)
-          decode_word<FMT, BF16, BITS, wg_copies<FMT, BN>(), false>(word_of(cur[h].q, s2), d[h][s2 >> 1],
-                                                                   table, copy, r[h]);
+        for (int h = 0; h < 2; ++h) {
+          if constexpr (kAhead)
+            table_finish<FMT, BF16>(tv[w][h], d[h][s2 >> 1], r[h]);
+          else
+            decode_word<FMT, BF16, BITS, wg_copies<FMT, BN>(), false>(word_of(cur[h].q, s2), d[h][s2 >> 1],
+                                                                     table, copy, r[h]);
+        }
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
           a[2 * w + hh][0] = r[0][2 * hh];
@@ -1501,6 +1557,7 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
 #pragma unroll
           for (int j = 0; j < 4; ++j) a[i][j] = hmul2<BF16>(a[i][j], d[j & 1][0].z2);  // row j & 1
       }
+      if constexpr (kAhead) if (w0 + kWords < 4) group_loads(w0 + kWords);
       fence_regs<2 * kWords>(a);
       wgmma_fence();
 #pragma unroll
