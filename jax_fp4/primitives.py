@@ -437,17 +437,21 @@ def _wmatmul_transpose(ct, x, codes, scales, zeros, ts, **params):
 #     against 2.65 / 2.49; M = 2048: 1.30 / 1.20 against 1.44 / 1.35).
 #   - mxfp4: up to M = 4096 (since its decode is one multiply per pair where the block
 #     scales allow, round 10: M = 4096 2.61 / 2.53 against 2.71 / 2.55).
-#   - int4: up to M = 2048 (M = 2048: 1.47 / 1.34 against 1.53 / 1.43; M = 4096: 2.95 /
-#     2.71 against 2.85 / 2.67).
-#   - nf4, bnb_fp4 (table decode) and the rest of nvfp4: up to M = 1024 (M = 1024: nf4
-#     0.81 / 0.78 against 0.88 / 0.82; M = 2048: 1.65 / 1.57 against 1.53 / 1.44).
+#   - int4: up to M = 4096 (RESULTS.md round 22 C: M = 4096 2.81 / 2.78 against 2.87 /
+#     2.80, and no dequantized bf16 copy of the weight; round 10: M = 2048 1.47 / 1.34
+#     against 1.53 / 1.43).
+#   - nf4, bnb_fp4 (table decode): up to M = 2048 (round 22 C: M = 2048 nf4 1.40 / 1.40
+#     against 1.55 / 1.45, bnb_fp4 1.40 / 1.41 against 1.53 / 1.43; M = 4096 nf4 2.91 /
+#     2.90 against 2.89 / 2.73, bnb_fp4 2.95 / 2.90 against 2.84 / 2.66).
+#   - the rest of nvfp4 (two-level, or f16 x: the table decode): up to M = 1024 (round 10,
+#     not re-measured since).
 # - larger M: the CUDA dequantize kernel + XLA's (cuBLAS) bf16 dot.
 # - without wgmma (other GPUs, or a build without sm_90a): the mma.sync kernels up to
 #   FUSED_MAX_M (M = 64: 0.15-0.18 ms, about the bf16 dot; at M = 256 they lose to
 #   dequantize + dot), then dequantize + dot.
 FUSED_FORMATS = ("nvfp4", "mxfp4", "nf4", "bnb_fp4", "int4")
 FUSED_MAX_M = 64
-FUSED_MAX_M_WGMMA = {"nvfp4": 1024, "mxfp4": 4096, "nf4": 1024, "bnb_fp4": 1024, "int4": 2048}
+FUSED_MAX_M_WGMMA = {"nvfp4": 1024, "mxfp4": 4096, "nf4": 2048, "bnb_fp4": 2048, "int4": 4096}
 FUSED_MAX_M_WGMMA_FOLDED = 4096
 # Prepared weights (jax_fp4.prepare, the "tiled" layout): the wgmma kernel at every M. It
 # was the fastest path at every M measured, for every format; dequantize + dot must first
