@@ -995,7 +995,7 @@ __host__ __device__ constexpr int wg_words() { return BN >= 256 || (!BITS && FMT
 // group before (the group's multiplies after them; table_load / table_finish): at BN = 256,
 // and at BN = 8 where it has one word per group. Harness, nf4, H100, us, 8192 x 28672 /
 // 28672 x 8192 (two machines, 4 passes): linear M = 1 65.6-66.6 / 60.4-61.1 -> 64.0-64.9 /
-// 59.7-60.0, prepared M = 1 59.6-59.8 / 54.4-54.8 -> 58.9-59.5 / 53.5-54.2; 8192 x 28672
+// 59.7-60.0, prepared M = 1 59.6-59.9 / 54.4-54.8 -> 58.9-59.5 / 53.5-54.2; 8192 x 28672
 // prepared M = 256 175.7-177.5 -> 172.5-174.1, M = 1024 616.2-617.9 -> 607.7-609.7; H200
 // alike (M = 4096 2468-2499 -> 2436-2440). At BN = 16-128 1-5% slower with two words (M =
 // 16 63.3 / 57.5 -> 66.7 / 59.9), up to 27% with one; loading the next step's first group
