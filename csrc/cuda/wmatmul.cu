@@ -988,7 +988,9 @@ __host__ __device__ constexpr int wg_copies() {
 }
 // Code words (of each of a lane's two rows) decoded per wgmma group: 2, or 1 at BN = 256
 // and for the table path at BN = 8 (with its loads ahead, below), but INT4's (with one
-// word there ptxas serializes its wgmmas, C7513).
+// word there ptxas serializes its wgmmas, C7513). The bit path with 4 words (one group a
+// step) at BN = 8 / 16 was 10-30% slower, with 1 word equal to 1.5% slower (NOTES.md
+// round 22).
 template <int FMT, bool BITS, int BN>
 __host__ __device__ constexpr int wg_words() { return BN >= 256 || (!BITS && FMT != kINT4 && BN == 8) ? 1 : 2; }
 // Whether the table path loads a group's table values before issuing the wgmmas of the
