@@ -229,23 +229,24 @@ def test_scaled_matmul_operands_errors():
 
 
 @pytest.mark.parametrize("bit_path", [True, False])
-def test_wmatmul_x_layout(bit_path):
+@pytest.mark.parametrize("m,k,tile_m", [(3, 160, 16), (16, 256, 16), (70, 8000, 128)])
+def test_wmatmul_x_layout(bit_path, m, k, tile_m):
     """The wgmma kernel's activation order (csrc/cuda/wmatmul.cu): block position
     32 s2 + 16 hh + 8 sec + 2 tt + e holds element 32 tt + 8 s2 + 4 e + 2 hh + sec (bit
     path) or 32 tt + 8 s2 + 4 hh + 2 sec + e (table path) of its 128-k block; K is
-    zero-padded to a multiple of 128, M with zero rows to a multiple of tile_m."""
-    m, k = 3, 160
-    x = (jnp.arange(m * k, dtype=jnp.float32).reshape(m, k) + 1).astype(jnp.bfloat16)
-    assert primitives.wmatmul_x_layout(x, bit_path).shape == (m, 256)
-    y = np.asarray(primitives.wmatmul_x_layout(x, bit_path, 16), np.float32)
-    assert y.shape == (16, 256)
-    xp = np.zeros((16, 256), np.float32)
-    xp[:m, :k] = np.asarray(x, np.float32)
-    for pos in range(256):
-        blk, q = divmod(pos, 128)
-        s2, hh, sec, tt, e = q // 32, q // 16 % 2, q // 8 % 2, q // 2 % 4, q % 2
-        src = 32 * tt + 8 * s2 + (4 * e + 2 * hh + sec if bit_path else 4 * hh + 2 * sec + e)
-        np.testing.assert_array_equal(y[:, pos], xp[:, 128 * blk + src], err_msg=str(pos))
+    zero-padded to a multiple of 128, M with zero rows to a multiple of tile_m; a small
+    x, an unpadded one and a large one padded in both M and K."""
+    kp, mp = -(-k // 128) * 128, -(-m // tile_m) * tile_m
+    x = jnp.asarray(np.random.default_rng(m).standard_normal((m, k)), jnp.bfloat16)
+    assert primitives.wmatmul_x_layout(x, bit_path).shape == (m, kp)
+    y = np.asarray(primitives.wmatmul_x_layout(x, bit_path, tile_m)).view(np.uint16)
+    assert y.shape == (mp, kp)
+    xp = np.zeros((mp, kp), np.uint16)
+    xp[:m, :k] = np.asarray(x).view(np.uint16)
+    q = np.arange(kp) % 128
+    s2, hh, sec, tt, e = q // 32, q // 16 % 2, q // 8 % 2, q // 2 % 4, q % 2
+    src = 128 * (np.arange(kp) // 128) + 32 * tt + 8 * s2 + (4 * e + 2 * hh + sec if bit_path else 4 * hh + 2 * sec + e)
+    np.testing.assert_array_equal(y, xp[:, src])
 
 
 def test_wmatmul_bit_path_rule():
