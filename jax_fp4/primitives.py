@@ -594,6 +594,14 @@ def fused_wmatmul_applies(avals_in, params):
             and codes.shape[0] >= 1 and k % 32 == 0 and bs >= 16 and bs & (bs - 1) == 0)
 
 
+# The table path's x permutation moves 32-bit pairs of elements where x needs no padding
+# or has at least this many elements (padded), else bf16 elements. Alone on an H100
+# (jax.jit of wmatmul_x_layout, us, bf16 elements -> pairs; benchmarks/RESULTS.md round 22
+# J): K = 8192 M = 16 1.80 -> 1.37, M = 64 3.69 -> 2.33, M = 256 11.05 -> 2.48, M = 1024
+# 40.5 -> 7.6; K = 28672 M = 256 35.5 -> 5.7; but M = 1 (rows padded to 8) 1.36 -> 2.59.
+_X_PAIRS_MIN_SIZE = 1 << 19
+
+
 def wmatmul_x_layout(x, bit_path, tile_m=1):
     """x (M, K) -> (M', K128) as the wgmma kernel stages it: K zero-padded to a multiple of
     128 and permuted within each 128-k block into the k order of the kernel's A fragments
@@ -605,7 +613,8 @@ def wmatmul_x_layout(x, bit_path, tile_m=1):
     2 hh + sec (bit path: a register pairs elements p, p + 4 of a code word) or 32 tt +
     8 s2 + 4 hh + 2 sec + e (table path: elements 2 i, 2 i + 1); tt is the lane's k
     quarter, s2 the code word, hh / sec the two MMA steps a word feeds and the two pairs
-    of each."""
+    of each. The table path's permutation moves each pair e as one 32-bit word where that
+    is faster (_X_PAIRS_MIN_SIZE): the same result."""
     m, k = x.shape
     kp = -(-k // 128) * 128
     mp = -(-m // tile_m) * tile_m
@@ -613,6 +622,12 @@ def wmatmul_x_layout(x, bit_path, tile_m=1):
         x = jnp.pad(x, ((0, mp - m), (0, kp - k)))
     if bit_path:  # (tt, s2, e, hh, sec) -> (s2, hh, sec, tt, e)
         x = x.reshape(mp, kp // 128, 4, 4, 2, 2, 2).transpose(0, 1, 3, 5, 6, 2, 4)
+    elif (mp, kp) == (m, k) or mp * kp >= _X_PAIRS_MIN_SIZE:
+        # (tt, s2, hh, sec) -> (s2, hh, sec, tt) of 32-bit words: each pair e stays
+        # together, so XLA moves words (_X_PAIRS_MIN_SIZE)
+        w = lax.bitcast_convert_type(x.reshape(mp, kp // 2, 2), jnp.uint32)
+        w = w.reshape(mp, kp // 128, 4, 4, 2, 2).transpose(0, 1, 3, 4, 5, 2)
+        x = lax.bitcast_convert_type(w.reshape(mp, kp // 2), x.dtype)
     else:  # (tt, s2, hh, sec, e) -> (s2, hh, sec, tt, e)
         x = x.reshape(mp, kp // 128, 4, 4, 2, 2, 2).transpose(0, 1, 3, 4, 5, 2, 6)
     return x.reshape(mp, kp)
