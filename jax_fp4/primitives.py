@@ -443,15 +443,17 @@ def _wmatmul_transpose(ct, x, codes, scales, zeros, ts, **params):
 #   - nf4, bnb_fp4 (table decode): up to M = 2048 (round 22 C: M = 2048 nf4 1.40 / 1.40
 #     against 1.55 / 1.45, bnb_fp4 1.40 / 1.41 against 1.53 / 1.43; M = 4096 nf4 2.91 /
 #     2.90 against 2.89 / 2.73, bnb_fp4 2.95 / 2.90 against 2.84 / 2.66).
-#   - the rest of nvfp4 (two-level, or f16 x: the table decode): up to M = 1024 (round 10,
-#     not re-measured since).
+#   - the rest of nvfp4 (two-level: the table decode; one-level with f16 x: two multiplies
+#     per pair): up to M = 2048 (RESULTS.md round 23 B: two-level M = 2048 1.38 / 1.38
+#     against 1.54 / 1.43, M = 4096 2.83 / 2.79 against 2.86 / 2.68; f16 x M = 2048
+#     1.27 / 1.24 against 1.45 / 1.35, M = 4096 2.59 / 2.55 against 2.77 / 2.53).
 # - larger M: the CUDA dequantize kernel + XLA's (cuBLAS) bf16 dot.
 # - without wgmma (other GPUs, or a build without sm_90a): the mma.sync kernels up to
 #   FUSED_MAX_M (M = 64: 0.15-0.18 ms, about the bf16 dot; at M = 256 they lose to
 #   dequantize + dot), then dequantize + dot.
 FUSED_FORMATS = ("nvfp4", "mxfp4", "nf4", "bnb_fp4", "int4")
 FUSED_MAX_M = 64
-FUSED_MAX_M_WGMMA = {"nvfp4": 1024, "mxfp4": 4096, "nf4": 2048, "bnb_fp4": 2048, "int4": 4096}
+FUSED_MAX_M_WGMMA = {"nvfp4": 2048, "mxfp4": 4096, "nf4": 2048, "bnb_fp4": 2048, "int4": 4096}
 FUSED_MAX_M_WGMMA_FOLDED = 4096
 # Prepared weights (jax_fp4.prepare, the "tiled" layout): the wgmma kernel at every M. It
 # was the fastest path at every M measured, for every format; dequantize + dot must first
