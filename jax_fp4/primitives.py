@@ -601,7 +601,7 @@ def fused_wmatmul_applies(avals_in, params):
 # (jax.jit of wmatmul_x_layout, us, bf16 elements -> pairs; benchmarks/RESULTS.md round 22
 # J): K = 8192 M = 16 1.80 -> 1.37, M = 64 3.69 -> 2.33, M = 256 11.05 -> 2.48, M = 1024
 # 40.5 -> 7.6; K = 28672 M = 256 35.5 -> 5.7; but M = 1 (rows padded to 8) 1.36 -> 2.59.
-# Through JAX with an x of its own per call, nf4 3-14% faster at M = 64-1024 (RESULTS.md
+# Through JAX with an x of its own per call, nf4 1-14% faster at M = 64-1024 (RESULTS.md
 # round 23 C).
 _X_PAIRS_MIN_SIZE = 1 << 19
 
