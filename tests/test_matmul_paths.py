@@ -235,7 +235,9 @@ def test_wmatmul_x_layout(bit_path, m, k, tile_m):
     32 s2 + 16 hh + 8 sec + 2 tt + e holds element 32 tt + 8 s2 + 4 e + 2 hh + sec (bit
     path) or 32 tt + 8 s2 + 4 hh + 2 sec + e (table path) of its 128-k block; K is
     zero-padded to a multiple of 128, M with zero rows to a multiple of tile_m; a small
-    x, an unpadded one and a large one padded in both M and K."""
+    x, an unpadded one and a large one padded in both M and K. The table path moves bf16
+    elements for the small padded x and 32-bit pairs for the other two
+    (primitives._X_PAIRS_MIN_SIZE), so both of its forms are checked."""
     kp, mp = -(-k // 128) * 128, -(-m // tile_m) * tile_m
     x = jnp.asarray(np.random.default_rng(m).standard_normal((m, k)), jnp.bfloat16)
     assert primitives.wmatmul_x_layout(x, bit_path).shape == (m, kp)
