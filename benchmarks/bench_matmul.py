@@ -116,7 +116,8 @@ def bench_w4a16(args, roof, rows):
 def bench_rule(shape, m, fmt, xs, q, r, t_bf16, rows):
     """One format at one M on each W4A16 path: wgmma kernel, mma.sync kernel, dequantize
     + dot (rows labelled 'FMT (rule)')."""
-    names = ("FUSED_MAX_M", "FUSED_MAX_M_WGMMA", "FUSED_MAX_M_WGMMA_FOLDED", "wgmma_available")
+    names = ("FUSED_MAX_M", "FUSED_MAX_M_WGMMA", "FUSED_MAX_M_WGMMA_FOLDED",
+             "FUSED_MAX_M_WGMMA_TABLE", "wgmma_available")
     saved = [getattr(primitives, a) for a in names]
     have_wgmma = primitives.wgmma_available()
     try:
@@ -126,6 +127,7 @@ def bench_rule(shape, m, fmt, xs, q, r, t_bf16, rows):
                 continue
             primitives.FUSED_MAX_M = primitives.FUSED_MAX_M_WGMMA_FOLDED = limit
             primitives.FUSED_MAX_M_WGMMA = dict.fromkeys(primitives.FUSED_FORMATS, limit)
+            primitives.FUSED_MAX_M_WGMMA_TABLE = {}
             primitives.wgmma_available = lambda wgmma=wgmma: wgmma
             t = timed(per_weight(jf.matmul, len(xs)), (*xs, *q), r)
             rows.append((shape, m, f"{fmt} (rule)", label, t * 1e6, t_bf16 * 1e6,

@@ -447,6 +447,11 @@ def _wmatmul_transpose(ct, x, codes, scales, zeros, ts, **params):
 #     per pair): up to M = 2048 (RESULTS.md round 23 B: two-level M = 2048 1.38 / 1.38
 #     against 1.54 / 1.43, M = 4096 2.83 / 2.79 against 2.86 / 2.68; f16 x M = 2048
 #     1.27 / 1.24 against 1.45 / 1.35, M = 4096 2.59 / 2.55 against 2.77 / 2.53).
+#   - mxfp4 with f16 x (the table decode: no bit path, its E8M0 scales leave f16's
+#     range): up to M = 1024 (FUSED_MAX_M_WGMMA_TABLE; RESULTS.md round 24 C, H100: M = 1024
+#     0.71 / 0.69 against 0.85 / 0.79, M = 2048 1.45 / 1.38 against 1.45 / 1.36, M = 4096
+#     2.96 / 2.85 against 2.70 / 2.54; H200: M = 1024 0.71 / 0.69 against 0.76 / 0.72,
+#     M = 2048 1.43 / 1.38 against 1.34 / 1.28).
 # - larger M: the CUDA dequantize kernel + XLA's (cuBLAS) bf16 dot.
 # - without wgmma (other GPUs, or a build without sm_90a): the mma.sync kernels up to
 #   FUSED_MAX_M (M = 64: 0.15-0.18 ms, about the bf16 dot; at M = 256 they lose to
@@ -455,6 +460,11 @@ FUSED_FORMATS = ("nvfp4", "mxfp4", "nf4", "bnb_fp4", "int4")
 FUSED_MAX_M = 64
 FUSED_MAX_M_WGMMA = {"nvfp4": 2048, "mxfp4": 4096, "nf4": 2048, "bnb_fp4": 2048, "int4": 4096}
 FUSED_MAX_M_WGMMA_FOLDED = 4096
+# Where a format that has a bit path decodes through the table instead (wmatmul_bit_path
+# false: mxfp4 with f16 x), its own limit; the formats and cases not listed keep
+# FUSED_MAX_M_WGMMA (nvfp4 two-level: 2048, measured; int4 with scales not in x's dtype:
+# not measured apart).
+FUSED_MAX_M_WGMMA_TABLE = {"mxfp4": 1024}
 # Prepared weights (jax_fp4.prepare, the "tiled" layout): the wgmma kernel at every M. It
 # was the fastest path at every M measured, for every format; dequantize + dot must first
 # restore the linear layout, a copy of the weight (H100, 8192 x 28672 / 28672 x 8192, ms,
@@ -583,14 +593,15 @@ def fused_wmatmul_applies(avals_in, params):
     """Whether the fused kernel covers this call: x bf16/f16 with 1 <= M <= FUSED_MAX_M
     (wgmma_max_m where the wgmma kernel runs: any M for a prepared weight), a 4-bit weight
     format, K % 32 == 0 and a power-of-two block_size >= 16."""
-    x, codes = avals_in[0], avals_in[1]
+    x, codes, scales = avals_in[0], avals_in[1], avals_in[2]
     m, k = x.shape
     bs = params["block_size"]
-    folded = wmatmul_folded(params["fmt"], x.dtype, params["two_level"])
-    if params["fmt"] not in FUSED_FORMATS:
+    fmt, two_level = params["fmt"], params["two_level"]
+    if fmt not in FUSED_FORMATS:
         return False
-    max_m = (wgmma_max_m(params["fmt"], folded, params["tiled"]) if wmatmul_tile_m(m)
-             else FUSED_MAX_M)
+    max_m = (wgmma_max_m(fmt, wmatmul_folded(fmt, x.dtype, two_level), params["tiled"],
+                         wmatmul_bit_path(fmt, x.dtype, two_level, scales.dtype))
+             if wmatmul_tile_m(m) else FUSED_MAX_M)
     return (np.dtype(x.dtype) in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
             and 1 <= m <= max_m
             and codes.shape[0] >= 1 and k % 32 == 0 and bs >= 16 and bs & (bs - 1) == 0)
@@ -663,14 +674,20 @@ def wmatmul_folded(fmt, x_dtype, two_level):
     return fmt == "nvfp4" and not two_level and np.dtype(x_dtype) == np.dtype(jnp.bfloat16)
 
 
-def wgmma_max_m(fmt, folded=False, tiled=False):
+def wgmma_max_m(fmt, folded=False, tiled=False, bit_path=True):
     """The most rows of x for which the wgmma kernel runs for weight format `fmt` (where
     available; beyond it, dequantize + dot): FUSED_MAX_M_WGMMA_TILED (no limit) for a
     weight in the prepared layout (`tiled`), FUSED_MAX_M_WGMMA_FOLDED where the decode is
-    one multiply per pair (`folded`, wmatmul_folded), else FUSED_MAX_M_WGMMA[fmt]."""
+    one multiply per pair (`folded`, wmatmul_folded), FUSED_MAX_M_WGMMA_TABLE[fmt] where
+    that format's table decode replaces its bit path (`bit_path` false, wmatmul_bit_path),
+    else FUSED_MAX_M_WGMMA[fmt]."""
     if tiled:
         return FUSED_MAX_M_WGMMA_TILED
-    return FUSED_MAX_M_WGMMA_FOLDED if folded else FUSED_MAX_M_WGMMA[fmt]
+    if folded:
+        return FUSED_MAX_M_WGMMA_FOLDED
+    if not bit_path and fmt in FUSED_MAX_M_WGMMA_TABLE:
+        return FUSED_MAX_M_WGMMA_TABLE[fmt]
+    return FUSED_MAX_M_WGMMA[fmt]
 
 
 # The wgmma kernel at tile_m = 256 in clusters of two CTAs on adjacent weight tiles that

@@ -153,8 +153,9 @@ def test_fused_wmatmul_size_rule(wgmma, monkeypatch):
     (pinned either way, so the test means the same on every machine)."""
     monkeypatch.setattr(primitives, "wgmma_available", lambda: wgmma)
 
-    def avals(m, k, dtype=jnp.bfloat16):
-        return (jax.core.ShapedArray((m, k), dtype), jax.core.ShapedArray((64, k // 2), np.uint8))
+    def avals(m, k, dtype=jnp.bfloat16, scale_dtype=np.uint8):
+        return (jax.core.ShapedArray((m, k), dtype), jax.core.ShapedArray((64, k // 2), np.uint8),
+                jax.core.ShapedArray((64, k // 16), scale_dtype))
 
     ok = primitives.fused_wmatmul_applies
     max_m = primitives.wgmma_max_m("nvfp4", folded=False) if wgmma else primitives.FUSED_MAX_M
@@ -172,6 +173,12 @@ def test_fused_wmatmul_size_rule(wgmma, monkeypatch):
         assert ok(avals(lim, 256), tiled)
     if wgmma:  # the multicast formats go further than the table decode
         assert primitives.wgmma_max_m("int4") > primitives.wgmma_max_m("nf4")
+    # mxfp4 with f16 x decodes through the table: its own, lower limit
+    mx = dict(fmt="mxfp4", block_size=32, two_level=False, tiled=False)
+    lim16 = primitives.wgmma_max_m("mxfp4", bit_path=False) if wgmma else primitives.FUSED_MAX_M
+    assert lim16 < primitives.wgmma_max_m("mxfp4") if wgmma else lim16 == primitives.FUSED_MAX_M
+    assert ok(avals(lim16, 256, jnp.float16), mx) and not ok(avals(lim16 + 1, 256, jnp.float16), mx)
+    assert ok(avals(lim16 + 1, 256, jnp.float16), dict(mx, tiled=True)) == wgmma
     int4 = dict(fmt="int4", block_size=128, two_level=False, tiled=False)
     assert ok(avals(1, 256), nv)
     assert ok(avals(max_m, 256), nv2) and not ok(avals(max_m + 1, 256), nv2)
