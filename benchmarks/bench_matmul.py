@@ -35,12 +35,12 @@ LLAMA_SHAPES = ["4096x4096", "4096x14336", "14336x4096", "8192x8192", "8192x2867
                 "28672x8192"]
 
 
-def weight_bytes(fmt, k, n):
+def weight_bytes(fmt, k, n, int4_scale_bytes=2):
     if fmt == "bf16":
         return 2 * k * n
     f = jf.get_format(fmt)
     nb = k * n // f.default_block
-    sbytes = 4 if f.family == "codebook" else (2 if f.family == "int4" else 1)
+    sbytes = 4 if f.family == "codebook" else (int4_scale_bytes if f.family == "int4" else 1)
     return k * n * f.bits // 8 + nb * sbytes + (nb if f.family == "int4" else 0)
 
 
@@ -69,14 +69,20 @@ def per_weight(op, nx):
 
 def bench_w4a16(args, roof, rows):
     key = jax.random.key(0)
+    int4_sbytes = jnp.dtype(args.int4_scale_dtype or args.x_dtype).itemsize
     for shape in args.shapes:
         k, n = (int(v) for v in shape.split("x"))
         r = min(32, max(4, -(-4 * L2_BYTES // weight_bytes("nvfp4", k, n))))
         ws = [jax.random.normal(jax.random.fold_in(key, i), (k, n), args.x_dtype) * 0.02
               for i in range(r)]
-        qs = {fmt: [jf.quantize(w, fmt, axis=0, **(
-            {"tensor_scale": "auto"} if fmt == "nvfp4" and args.tensor_scale else {}))
-            for w in ws] for fmt in args.formats}
+        def options(fmt):
+            if fmt == "nvfp4" and args.tensor_scale:
+                return {"tensor_scale": "auto"}
+            if fmt == "int4" and args.int4_scale_dtype:
+                return {"scale_dtype": args.int4_scale_dtype}
+            return {}
+
+        qs = {fmt: [jf.quantize(w, fmt, axis=0, **options(fmt)) for w in ws] for fmt in args.formats}
         if args.prepare:  # the same weights in the prepared layout, where it applies
             for fmt in args.formats:
                 prep = [jf.prepare(q) for q in qs[fmt]]
@@ -100,7 +106,7 @@ def bench_w4a16(args, roof, rows):
                     jf.set_backend("reference")
                     t_ref = timed(per_weight(jf.matmul, nx), (*xs, *qs[fmt]), r)
                     jf.set_backend("auto")
-                floor = weight_bytes(fmt.split()[0], k, n) / roof
+                floor = weight_bytes(fmt.split()[0], k, n, int4_sbytes) / roof
                 rows.append((shape, m, fmt, path, t * 1e6, t_bf16 * 1e6, t_bf16 / t,
                              floor_bf16 / floor, t_ref / t, 100 * floor / t))
                 print(f"{shape:11s} M={m:5d} {fmt:8s} {path:11s} {t * 1e6:9.1f} us  "
@@ -189,6 +195,9 @@ def main(argv=None):
                     help="a distinct x per weight (W4A16), so each call lays out its own x")
     ap.add_argument("--tensor-scale", action="store_true",
                     help="nvfp4 weights with their fp32 per-tensor scale (two-level)")
+    ap.add_argument("--int4-scale-dtype", choices=["float32", "bfloat16", "float16"],
+                    help="int4 scale dtype (default x's dtype: the bit decode; another: the "
+                         "table decode)")
     ap.add_argument("--prepare", action="store_true",
                     help="also each format's weights through jax_fp4.prepare (W4A16), where "
                          "it applies (jax_fp4.layout.tileable)")

@@ -447,11 +447,14 @@ def _wmatmul_transpose(ct, x, codes, scales, zeros, ts, **params):
 #     per pair): up to M = 2048 (RESULTS.md round 23 B: two-level M = 2048 1.38 / 1.38
 #     against 1.54 / 1.43, M = 4096 2.83 / 2.79 against 2.86 / 2.68; f16 x M = 2048
 #     1.27 / 1.24 against 1.45 / 1.35, M = 4096 2.59 / 2.55 against 2.77 / 2.53).
-#   - mxfp4 with f16 x (the table decode: no bit path, its E8M0 scales leave f16's
-#     range): up to M = 1024 (FUSED_MAX_M_WGMMA_TABLE; RESULTS.md round 24 C, H100: M = 1024
-#     0.71 / 0.69 against 0.85 / 0.79, M = 2048 1.45 / 1.38 against 1.45 / 1.36, M = 4096
-#     2.96 / 2.85 against 2.70 / 2.54; H200: M = 1024 0.71 / 0.69 against 0.76 / 0.72,
-#     M = 2048 1.43 / 1.38 against 1.34 / 1.28).
+#   - the table decode where a format has a bit path for other dtypes: up to M = 1024
+#     (FUSED_MAX_M_WGMMA_TABLE). mxfp4 with f16 x (its E8M0 scales leave f16's range),
+#     RESULTS.md round 24 D, H100: M = 1024 0.71 / 0.69 against 0.85 / 0.79, M = 2048
+#     1.45 / 1.38 against 1.45 / 1.36, M = 4096 2.96 / 2.85 against 2.70 / 2.54; H200: M =
+#     1024 0.71 / 0.69 against 0.76 / 0.72, M = 2048 1.43 / 1.38 against 1.34 / 1.28. int4
+#     with scales not in x's dtype (f16 scales, bf16 x), round 24 E, H100: M = 1024 0.80 /
+#     0.78 against 0.88 / 0.83, M = 2048 1.61 / 1.54 against 1.55 / 1.43, M = 4096 3.22 /
+#     3.15 against 2.89 / 2.73.
 # - larger M: the CUDA dequantize kernel + XLA's (cuBLAS) bf16 dot.
 # - without wgmma (other GPUs, or a build without sm_90a): the mma.sync kernels up to
 #   FUSED_MAX_M (M = 64: 0.15-0.18 ms, about the bf16 dot; at M = 256 they lose to
@@ -461,10 +464,9 @@ FUSED_MAX_M = 64
 FUSED_MAX_M_WGMMA = {"nvfp4": 2048, "mxfp4": 4096, "nf4": 2048, "bnb_fp4": 2048, "int4": 4096}
 FUSED_MAX_M_WGMMA_FOLDED = 4096
 # Where a format that has a bit path decodes through the table instead (wmatmul_bit_path
-# false: mxfp4 with f16 x), its own limit; the formats and cases not listed keep
-# FUSED_MAX_M_WGMMA (nvfp4 two-level: 2048, measured; int4 with scales not in x's dtype:
-# not measured apart).
-FUSED_MAX_M_WGMMA_TABLE = {"mxfp4": 1024}
+# false: mxfp4 with f16 x, int4 with scales not in x's dtype), its own limit; two-level
+# nvfp4 keeps FUSED_MAX_M_WGMMA's (2048, measured on the table decode).
+FUSED_MAX_M_WGMMA_TABLE = {"mxfp4": 1024, "int4": 1024}
 # Prepared weights (jax_fp4.prepare, the "tiled" layout): the wgmma kernel at every M. It
 # was the fastest path at every M measured, for every format; dequantize + dot must first
 # restore the linear layout, a copy of the weight (H100, 8192 x 28672 / 28672 x 8192, ms,

@@ -1,5 +1,6 @@
 """The GPU matmul paths' semantics, checked where CI runs (CPU): the block-scaled matmul's
 bf16 decomposition and the fused W4A16 kernel's size rule and K-split rule."""
+import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -162,23 +163,32 @@ def test_fused_wmatmul_size_rule(wgmma, monkeypatch):
     max_f = primitives.wgmma_max_m("nvfp4", folded=True) if wgmma else primitives.FUSED_MAX_M
     assert max_f > max_m if wgmma else max_f == max_m
     nv, nv2 = (dict(fmt="nvfp4", block_size=16, two_level=t, tiled=False) for t in (False, True))
-    for fmt, bs in (("mxfp4", 32), ("nf4", 64), ("bnb_fp4", 64), ("int4", 128)):
+    for fmt, bs, sd in (("mxfp4", 32, np.uint8), ("nf4", 64, np.float32),
+                        ("bnb_fp4", 64, np.float32), ("int4", 128, jnp.bfloat16)):
         lim = primitives.wgmma_max_m(fmt) if wgmma else primitives.FUSED_MAX_M
         assert lim >= max_m, fmt
         q = dict(fmt=fmt, block_size=bs, two_level=False, tiled=False)
-        assert ok(avals(lim, 256), q) and not ok(avals(lim + 1, 256), q), fmt
+        x = functools.partial(avals, k=256, scale_dtype=sd)
+        assert ok(x(lim), q) and not ok(x(lim + 1), q), fmt
         # a prepared weight: the wgmma kernel at any M; without it, as the linear layout
         tiled = dict(q, tiled=True)
-        assert ok(avals(lim + 1, 256), tiled) == wgmma and ok(avals(16384, 256), tiled) == wgmma
-        assert ok(avals(lim, 256), tiled)
+        assert ok(x(lim + 1), tiled) == wgmma and ok(x(16384), tiled) == wgmma
+        assert ok(x(lim), tiled)
     if wgmma:  # the multicast formats go further than the table decode
         assert primitives.wgmma_max_m("int4") > primitives.wgmma_max_m("nf4")
-    # mxfp4 with f16 x decodes through the table: its own, lower limit
-    mx = dict(fmt="mxfp4", block_size=32, two_level=False, tiled=False)
-    lim16 = primitives.wgmma_max_m("mxfp4", bit_path=False) if wgmma else primitives.FUSED_MAX_M
-    assert lim16 < primitives.wgmma_max_m("mxfp4") if wgmma else lim16 == primitives.FUSED_MAX_M
-    assert ok(avals(lim16, 256, jnp.float16), mx) and not ok(avals(lim16 + 1, 256, jnp.float16), mx)
-    assert ok(avals(lim16 + 1, 256, jnp.float16), dict(mx, tiled=True)) == wgmma
+    # mxfp4 with f16 x and int4 with scales not in x's dtype decode through the table: their
+    # own, lower limit (int4 with f16 x and f16 scales keeps the bit path's)
+    for fmt, bs, x_dtype, s_dtype in (("mxfp4", 32, jnp.float16, np.uint8),
+                                      ("int4", 128, jnp.bfloat16, jnp.float16)):
+        q = dict(fmt=fmt, block_size=bs, two_level=False, tiled=False)
+        lim = primitives.wgmma_max_m(fmt, bit_path=False) if wgmma else primitives.FUSED_MAX_M
+        assert lim < primitives.wgmma_max_m(fmt) if wgmma else lim == primitives.FUSED_MAX_M
+        assert ok(avals(lim, 256, x_dtype, s_dtype), q), fmt
+        assert not ok(avals(lim + 1, 256, x_dtype, s_dtype), q), fmt
+        assert ok(avals(lim + 1, 256, x_dtype, s_dtype), dict(q, tiled=True)) == wgmma, fmt
+    int4_bits = dict(fmt="int4", block_size=128, two_level=False, tiled=False)
+    lim = primitives.wgmma_max_m("int4") if wgmma else primitives.FUSED_MAX_M
+    assert ok(avals(lim, 256, jnp.float16, jnp.float16), int4_bits)
     int4 = dict(fmt="int4", block_size=128, two_level=False, tiled=False)
     assert ok(avals(1, 256), nv)
     assert ok(avals(max_m, 256), nv2) and not ok(avals(max_m + 1, 256), nv2)
