@@ -70,18 +70,19 @@ def per_weight(op, nx):
 def bench_w4a16(args, roof, rows):
     key = jax.random.key(0)
     int4_sbytes = jnp.dtype(args.int4_scale_dtype or args.x_dtype).itemsize
+
+    def options(fmt):  # quantize's options for fmt from the command line
+        if fmt == "nvfp4" and args.tensor_scale:
+            return {"tensor_scale": "auto"}
+        if fmt == "int4" and args.int4_scale_dtype:
+            return {"scale_dtype": args.int4_scale_dtype}
+        return {}
+
     for shape in args.shapes:
         k, n = (int(v) for v in shape.split("x"))
         r = min(32, max(4, -(-4 * L2_BYTES // weight_bytes("nvfp4", k, n))))
         ws = [jax.random.normal(jax.random.fold_in(key, i), (k, n), args.x_dtype) * 0.02
               for i in range(r)]
-        def options(fmt):
-            if fmt == "nvfp4" and args.tensor_scale:
-                return {"tensor_scale": "auto"}
-            if fmt == "int4" and args.int4_scale_dtype:
-                return {"scale_dtype": args.int4_scale_dtype}
-            return {}
-
         qs = {fmt: [jf.quantize(w, fmt, axis=0, **options(fmt)) for w in ws] for fmt in args.formats}
         if args.prepare:  # the same weights in the prepared layout, where it applies
             for fmt in args.formats:

@@ -186,10 +186,9 @@ def test_fused_wmatmul_size_rule(wgmma, monkeypatch):
         assert ok(avals(lim, 256, x_dtype, s_dtype), q), fmt
         assert not ok(avals(lim + 1, 256, x_dtype, s_dtype), q), fmt
         assert ok(avals(lim + 1, 256, x_dtype, s_dtype), dict(q, tiled=True)) == wgmma, fmt
-    int4_bits = dict(fmt="int4", block_size=128, two_level=False, tiled=False)
-    lim = primitives.wgmma_max_m("int4") if wgmma else primitives.FUSED_MAX_M
-    assert ok(avals(lim, 256, jnp.float16, jnp.float16), int4_bits)
     int4 = dict(fmt="int4", block_size=128, two_level=False, tiled=False)
+    lim = primitives.wgmma_max_m("int4") if wgmma else primitives.FUSED_MAX_M
+    assert ok(avals(lim, 256, jnp.float16, jnp.float16), int4)
     assert ok(avals(1, 256), nv)
     assert ok(avals(max_m, 256), nv2) and not ok(avals(max_m + 1, 256), nv2)
     assert ok(avals(max_f, 256), nv) and not ok(avals(max_f + 1, 256), nv)
