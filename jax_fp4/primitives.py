@@ -593,8 +593,12 @@ def wmatmul_grid(m, n, k, wgmma=None, sms=None):
 
 def fused_wmatmul_applies(avals_in, params):
     """Whether the fused kernel covers this call: x bf16/f16 with 1 <= M <= FUSED_MAX_M
-    (wgmma_max_m where the wgmma kernel runs: any M for a prepared weight), a 4-bit weight
-    format, K % 32 == 0 and a power-of-two block_size >= 16."""
+    (wgmma_max_m where the wgmma kernel runs, by decode path: any M for a prepared weight),
+    a 4-bit weight format, K % 32 == 0 and a power-of-two block_size >= 16.
+
+    avals_in: the primitive's operand avals (x (M, K), codes (N, K / 2) uint8, scales,
+    ...); params: its parameters (fmt, block_size, two_level, tiled). Returns a bool,
+    raises nothing (a call it does not cover takes dequantize + dot)."""
     x, codes, scales = avals_in[0], avals_in[1], avals_in[2]
     m, k = x.shape
     bs = params["block_size"]
