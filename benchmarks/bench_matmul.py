@@ -124,7 +124,7 @@ def bench_rule(shape, m, fmt, xs, q, r, t_bf16, rows):
     """One format at one M on each W4A16 path: wgmma kernel, mma.sync kernel, dequantize
     + dot (rows labelled 'FMT (rule)')."""
     names = ("FUSED_MAX_M", "FUSED_MAX_M_WGMMA", "FUSED_MAX_M_WGMMA_FOLDED",
-             "FUSED_MAX_M_WGMMA_TABLE", "wgmma_available")
+             "FUSED_MAX_M_WGMMA_DECODE", "wgmma_available")
     saved = [getattr(primitives, a) for a in names]
     have_wgmma = primitives.wgmma_available()
     try:
@@ -134,7 +134,7 @@ def bench_rule(shape, m, fmt, xs, q, r, t_bf16, rows):
                 continue
             primitives.FUSED_MAX_M = primitives.FUSED_MAX_M_WGMMA_FOLDED = limit
             primitives.FUSED_MAX_M_WGMMA = dict.fromkeys(primitives.FUSED_FORMATS, limit)
-            primitives.FUSED_MAX_M_WGMMA_TABLE = {}
+            primitives.FUSED_MAX_M_WGMMA_DECODE = {}
             primitives.wgmma_available = lambda wgmma=wgmma: wgmma
             t = timed(per_weight(jf.matmul, len(xs)), (*xs, *q), r)
             rows.append((shape, m, f"{fmt} (rule)", label, t * 1e6, t_bf16 * 1e6,
@@ -197,8 +197,8 @@ def main(argv=None):
     ap.add_argument("--tensor-scale", action="store_true",
                     help="nvfp4 weights with their fp32 per-tensor scale (two-level)")
     ap.add_argument("--int4-scale-dtype", choices=["float32", "bfloat16", "float16"],
-                    help="int4 scale dtype (default x's dtype: the bit decode; another: the "
-                         "table decode)")
+                    help="int4 scale dtype (default x's dtype: the bit decode; float16 with "
+                         "bfloat16 x: the split-scale bit decode; another: the table decode)")
     ap.add_argument("--prepare", action="store_true",
                     help="also each format's weights through jax_fp4.prepare (W4A16), where "
                          "it applies (jax_fp4.layout.tileable)")

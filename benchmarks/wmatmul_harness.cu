@@ -9,12 +9,13 @@
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Icsrc \
 //        -I$(python3 -c "import jax.ffi; print(jax.ffi.include_dir())") \
 //        -diag-suppress 940,2473 benchmarks/wmatmul_harness.cu -o wmatmul_harness
-//   ./wmatmul_harness FMT K N M TILE_M SPLITS [REPS [CLUSTER]]   FMT: nvfp4 mxfp4 nf4 int4;
+//   ./wmatmul_harness FMT K N M TILE_M SPLITS [REPS [CLUSTER]]   FMT: nvfp4 mxfp4 nf4 int4
+//        int4f16 (int4 with f16 scales: AWQ's, with bf16 x);
 //        TILE_M 0 = the mma.sync kernels, 8/16/32/64/128/256 = the wgmma kernel; SPLITS as
 //        jax_fp4.primitives.wmatmul_splits(M, N, K, sms, TILE_M) gives them; CLUSTER 2:
 //        TILE_M 256 in 2-CTA clusters that multicast x (primitives.wmatmul_cluster);
 //        env JF4_PAD_X=1: x rows padded to TILE_M as JAX pads them; JF4_TILED=1: the
-//        prepared weight layout (jax_fp4.prepare)
+//        prepared weight layout (jax_fp4.prepare); JF4_F16_X=1: x (the same bits) as f16
 //   ./wmatmul_harness roof                             read-only stream and D2D copy
 //   ncu --set full -k regex:wmatmul --launch-skip 3 --launch-count 1 -o rep \
 //        ./wmatmul_harness nvfp4 8192 28672 16 32 1 5
@@ -24,7 +25,7 @@
 // (>= 256 MiB together, >= 128 MiB of scales) that no launch finds its weight or scales in
 // L2. Weight (N, K) with the
 // formats' usual block sizes (nvfp4 16, mxfp4 32, nf4 64, int4 128 with bf16 scales), x
-// bf16, one-level nvfp4. Without the split reduction and x permutation that the JAX path
+// bf16 (JF4_F16_X: f16), one-level nvfp4. Without the split reduction and x permutation that the JAX path
 // adds (bench_matmul.py measures those too).
 #include "cuda/wmatmul.cu"
 
@@ -128,7 +129,7 @@ int main(int argc, char** argv) {
   if (fmt_name == "nvfp4") fmt = kNVFP4, bs = 16, esize = 1;
   else if (fmt_name == "mxfp4") fmt = kMXFP4, bs = 32, esize = 1;
   else if (fmt_name == "nf4") fmt = kNF4, bs = 64, esize = 4;
-  else if (fmt_name == "int4") fmt = kINT4, bs = 128, esize = 2;
+  else if (fmt_name == "int4" || fmt_name == "int4f16") fmt = kINT4, bs = 128, esize = 2;
   else { std::fprintf(stderr, "unknown format %s\n", fmt_name.c_str()); return 2; }
 
   WParams p{};
@@ -141,12 +142,14 @@ int main(int argc, char** argv) {
   p.n_steps = (K + step - 1) / step;
   p.steps_per_split = (p.n_steps + splits - 1) / splits;
   p.two_level = 0;
-  p.st = kScaleBF16;
+  p.st = fmt_name == "int4f16" ? kScaleF16 : kScaleBF16;  // int4f16: AWQ's f16 scales, bf16 x
   p.out_f32 = splits > 1;
   p.cluster = cluster;
   // JF4_TILED=1: the prepared weight layout (jax_fp4.prepare; N and K multiples of 128):
   // random bits need no re-layout either
   p.tiled = env_flag("JF4_TILED") ? 1 : 0;
+  const bool f16_x = env_flag("JF4_F16_X");  // x's bits as f16 (int4: f16 scales as well)
+  if (f16_x) p.st = kScaleF16;
 
   const size_t code_bytes = size_t(N) * K / 2, scale_bytes = size_t(N) * p.nb * esize;
   const size_t per_copy = code_bytes + scale_bytes + size_t(N) * p.nb;
@@ -185,12 +188,11 @@ int main(int argc, char** argv) {
   auto launch_one = [&](int i) {
     const int c = i % copies;
     cudaError_t e;
-    const bool bits = fmt != kNF4;
     switch (fmt) {
-#define JF4_CASE(F)                                                                         \
-  case F:                                                                                   \
-    e = bits ? launch_kernel<F, true, kHasBitPath<F, true>>(0, x, codes[c], scales[c], zeros[c], ts, out, p, splits, tile_m) \
-             : launch_kernel<F, true, false>(0, x, codes[c], scales[c], zeros[c], ts, out, p, splits, tile_m); \
+#define JF4_CASE(F)                                                                                  \
+  case F:                                                                                            \
+    e = f16_x ? launch_decode<F, false>(0, x, codes[c], scales[c], zeros[c], ts, out, p, splits, tile_m) \
+              : launch_decode<F, true>(0, x, codes[c], scales[c], zeros[c], ts, out, p, splits, tile_m); \
     break;
       JF4_CASE(kNVFP4)
       JF4_CASE(kMXFP4)

@@ -433,28 +433,32 @@ def _wmatmul_transpose(ct, x, codes, scales, zeros, ts, **params):
 #   (fused wgmma against dequantize + dot, ms, bench_matmul.py --rule-ms 1024 2048 4096,
 #   RESULTS.md round 6 and round 10; from M = 512-2048 the kernel multicasts x for a
 #   linear-layout weight, wmatmul_cluster):
-#   - one-level nvfp4 with bf16 x (folded): up to M = 4096 (M = 4096: 2.59 / 2.44
-#     against 2.65 / 2.49; M = 2048: 1.30 / 1.20 against 1.44 / 1.35).
+#   - one-level nvfp4 (folded): up to M = 4096 (bf16 x, M = 4096: 2.59 / 2.44 against
+#     2.65 / 2.49; M = 2048: 1.30 / 1.20 against 1.44 / 1.35. f16 x, folded since round 25,
+#     RESULTS.md round 25 B, H200: M = 4096 2.56 / 2.48 against 2.58 / 2.46, equal, and no
+#     dequantized copy of the weight; M = 2048 1.26 / 1.22 against 1.37 / 1.31).
 #   - mxfp4: up to M = 4096 (since its decode is one multiply per pair where the block
-#     scales allow, round 10: M = 4096 2.61 / 2.53 against 2.71 / 2.55).
+#     scales allow, round 10: M = 4096 2.61 / 2.53 against 2.71 / 2.55). With f16 x (the
+#     E2M1 bits placed into f16 take two more operations per pair): up to M = 2048
+#     (RESULTS.md round 25 B, H200: M = 2048 1.33 / 1.27 against 1.35 / 1.29, M = 4096 2.66
+#     / 2.59 against 2.52 / 2.52).
 #   - int4: up to M = 4096 (RESULTS.md round 22 C: M = 4096 2.81 / 2.78 against 2.87 /
 #     2.80, and no dequantized bf16 copy of the weight; round 10: M = 2048 1.47 / 1.34
 #     against 1.53 / 1.43).
 #   - nf4, bnb_fp4 (table decode): up to M = 2048 (round 22 C: M = 2048 nf4 1.40 / 1.40
 #     against 1.55 / 1.45, bnb_fp4 1.40 / 1.41 against 1.53 / 1.43; M = 4096 nf4 2.91 /
 #     2.90 against 2.89 / 2.73, bnb_fp4 2.95 / 2.90 against 2.84 / 2.66).
-#   - the rest of nvfp4 (two-level: the table decode; one-level with f16 x: two multiplies
-#     per pair): up to M = 2048 (RESULTS.md round 23 B: two-level M = 2048 1.38 / 1.38
-#     against 1.54 / 1.43, M = 4096 2.83 / 2.79 against 2.86 / 2.68; f16 x M = 2048
-#     1.27 / 1.24 against 1.45 / 1.35, M = 4096 2.59 / 2.55 against 2.77 / 2.53).
-#   - the table decode where a format has a bit path for other dtypes: up to M = 1024
-#     (FUSED_MAX_M_WGMMA_TABLE). mxfp4 with f16 x (its E8M0 scales leave f16's range),
-#     RESULTS.md round 24 D, H100: M = 1024 0.71 / 0.69 against 0.85 / 0.79, M = 2048
-#     1.45 / 1.38 against 1.45 / 1.36, M = 4096 2.96 / 2.85 against 2.70 / 2.54; H200: M =
-#     1024 0.71 / 0.69 against 0.76 / 0.72, M = 2048 1.43 / 1.38 against 1.34 / 1.28. int4
-#     with scales not in x's dtype (f16 scales, bf16 x), round 24 E, H100: M = 1024 0.80 /
-#     0.78 against 0.88 / 0.83, M = 2048 1.61 / 1.54 against 1.55 / 1.43, M = 4096 3.22 /
-#     3.15 against 2.89 / 2.73.
+#   - two-level nvfp4 (the table decode): up to M = 2048 (RESULTS.md round 23 B: M = 2048
+#     1.38 / 1.38 against 1.54 / 1.43, M = 4096 2.83 / 2.79 against 2.86 / 2.68).
+#   - int4 decoded otherwise than by its bit path (FUSED_MAX_M_WGMMA_DECODE):
+#     - f16 scales with bf16 x (AWQ's scales in a bf16 model; the split scale, one more
+#       multiply per pair): up to M = 2048 (RESULTS.md round 25 B, H200: M = 1024 0.69 /
+#       0.68 against 0.81 / 0.77, M = 2048 1.41 / 1.35 against 1.43 / 1.37, M = 4096 2.82
+#       / 2.78 against 2.71 / 2.61).
+#     - other scale dtypes (the table decode): up to M = 1024 (round 24 E, H100, f16
+#       scales with bf16 x before they had the split: M = 1024 0.80 / 0.78 against 0.88 /
+#       0.83, M = 2048 1.61 / 1.54 against 1.55 / 1.43, M = 4096 3.22 / 3.15 against 2.89
+#       / 2.73).
 # - larger M: the CUDA dequantize kernel + XLA's (cuBLAS) bf16 dot.
 # - without wgmma (other GPUs, or a build without sm_90a): the mma.sync kernels up to
 #   FUSED_MAX_M (M = 64: 0.15-0.18 ms, about the bf16 dot; at M = 256 they lose to
@@ -463,10 +467,12 @@ FUSED_FORMATS = ("nvfp4", "mxfp4", "nf4", "bnb_fp4", "int4")
 FUSED_MAX_M = 64
 FUSED_MAX_M_WGMMA = {"nvfp4": 2048, "mxfp4": 4096, "nf4": 2048, "bnb_fp4": 2048, "int4": 4096}
 FUSED_MAX_M_WGMMA_FOLDED = 4096
-# Where a format that has a bit path decodes through the table instead (wmatmul_bit_path
-# false: mxfp4 with f16 x, int4 with scales not in x's dtype), its own limit; two-level
-# nvfp4 keeps FUSED_MAX_M_WGMMA's (2048, measured on the table decode).
-FUSED_MAX_M_WGMMA_TABLE = {"mxfp4": 1024, "int4": 1024}
+# (format, wmatmul_decode, x dtype) -> its limit, where a format decodes otherwise than its
+# FUSED_MAX_M_WGMMA entry was measured on (bf16 x and the bit path; two-level nvfp4 keeps
+# FUSED_MAX_M_WGMMA's, 2048, measured on its table decode).
+FUSED_MAX_M_WGMMA_DECODE = {("mxfp4", "bits", "float16"): 2048,
+                            ("int4", "split", "bfloat16"): 2048,
+                            ("int4", "table", "bfloat16"): 1024, ("int4", "table", "float16"): 1024}
 # Prepared weights (jax_fp4.prepare, the "tiled" layout): the wgmma kernel at every M. It
 # was the fastest path at every M measured, for every format; dequantize + dot must first
 # restore the linear layout, a copy of the weight (H100, 8192 x 28672 / 28672 x 8192, ms,
@@ -606,7 +612,7 @@ def fused_wmatmul_applies(avals_in, params):
     if fmt not in FUSED_FORMATS:
         return False
     max_m = (wgmma_max_m(fmt, wmatmul_folded(fmt, x.dtype, two_level), params["tiled"],
-                         wmatmul_bit_path(fmt, x.dtype, two_level, scales.dtype))
+                         wmatmul_decode(fmt, x.dtype, two_level, scales.dtype), x.dtype)
              if wmatmul_tile_m(m) else FUSED_MAX_M)
     return (np.dtype(x.dtype) in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
             and 1 <= m <= max_m
@@ -654,16 +660,23 @@ def wmatmul_x_layout(x, bit_path, tile_m=1):
     return x.reshape(mp, kp)
 
 
-def wmatmul_bit_path(fmt, x_dtype, two_level, scale_dtype):
-    """Whether the kernel decodes by bit placement (csrc/cuda/wmatmul.cu, use_bit_path)."""
-    x_dtype = np.dtype(x_dtype)
+def wmatmul_decode(fmt, x_dtype, two_level, scale_dtype):
+    """How the kernels decode this weight (the Python mirror of csrc/cuda/wmatmul.cu's
+    use_bit_path, which also picks x's pairing, wmatmul_x_layout): "bits" (bit placement
+    and exact packed multiplies: one-level nvfp4, mxfp4, int4 with scales in x's dtype),
+    "split" (int4 with f16 scales and bf16 x, AWQ's scales in a bf16 model: the bit path
+    with each scale split into two bf16 factors) or "table" (a shared-memory table and
+    float32 arithmetic: everything else)."""
+    x_dtype, s = np.dtype(x_dtype), np.dtype(scale_dtype)
     if fmt == "nvfp4":
-        return not two_level
+        return "table" if two_level else "bits"
     if fmt == "mxfp4":
-        return x_dtype == np.dtype(jnp.bfloat16)
-    if fmt == "int4":
-        return np.dtype(scale_dtype) == x_dtype
-    return False
+        return "bits"
+    if fmt == "int4" and s == x_dtype:
+        return "bits"
+    if fmt == "int4" and s == np.dtype(jnp.float16) and x_dtype == np.dtype(jnp.bfloat16):
+        return "split"
+    return "table"
 
 
 def wgmma_available():
@@ -675,25 +688,26 @@ def wgmma_available():
 
 
 def wmatmul_folded(fmt, x_dtype, two_level):
-    """Whether the kernels decode with one multiply per pair: one-level nvfp4 with bf16 x,
-    whose block scale absorbs the bit placement's 2^126 (csrc/cuda/wmatmul.cu, kFold)."""
-    return fmt == "nvfp4" and not two_level and np.dtype(x_dtype) == np.dtype(jnp.bfloat16)
+    """Whether the kernels decode with one multiply per pair by folding the bit placement's
+    factor into the block scale and the accumulator: one-level nvfp4 with bf16 or f16
+    `x_dtype` (csrc/cuda/wmatmul.cu, kFold)."""
+    return fmt == "nvfp4" and not two_level
 
 
-def wgmma_max_m(fmt, folded=False, tiled=False, bit_path=True):
+def wgmma_max_m(fmt, folded=False, tiled=False, decode="bits", x_dtype=jnp.bfloat16):
     """The most rows of x for which the wgmma kernel runs for weight format `fmt` (where
     available; beyond it, dequantize + dot): FUSED_MAX_M_WGMMA_TILED (no limit) for a
-    weight in the prepared layout (`tiled`), FUSED_MAX_M_WGMMA_FOLDED where the decode is
-    one multiply per pair (`folded`, wmatmul_folded), FUSED_MAX_M_WGMMA_TABLE[fmt] where
-    that format's table decode replaces its bit path (`bit_path` false, wmatmul_bit_path),
-    else FUSED_MAX_M_WGMMA[fmt]."""
+    weight in the prepared layout (`tiled`); FUSED_MAX_M_WGMMA_DECODE[fmt, decode, x dtype
+    name] where the format decodes otherwise than its other limits were measured on
+    (`decode`: wmatmul_decode's path, `x_dtype`: x's dtype); FUSED_MAX_M_WGMMA_FOLDED where
+    nvfp4's decode is one multiply per pair (`folded`, wmatmul_folded); else
+    FUSED_MAX_M_WGMMA[fmt]."""
     if tiled:
         return FUSED_MAX_M_WGMMA_TILED
-    if folded:
-        return FUSED_MAX_M_WGMMA_FOLDED
-    if not bit_path and fmt in FUSED_MAX_M_WGMMA_TABLE:
-        return FUSED_MAX_M_WGMMA_TABLE[fmt]
-    return FUSED_MAX_M_WGMMA[fmt]
+    key = (fmt, decode, np.dtype(x_dtype).name)
+    if key in FUSED_MAX_M_WGMMA_DECODE:
+        return FUSED_MAX_M_WGMMA_DECODE[key]
+    return FUSED_MAX_M_WGMMA_FOLDED if folded else FUSED_MAX_M_WGMMA[fmt]
 
 
 # The wgmma kernel at tile_m = 256 in clusters of two CTAs on adjacent weight tiles that
@@ -774,7 +788,7 @@ def _wmatmul_fused(x, codes, scales, zeros, ts, *, fmt, block_size, two_level, o
         return jnp.concatenate([part(x[:head]), part(x[head:])], axis=0)
     final = splits == 1 and np.dtype(out_dtype) in (np.dtype(x.dtype), np.dtype(np.float32))
     if tile_m:
-        x = wmatmul_x_layout(x, wmatmul_bit_path(fmt, x.dtype, two_level, scales.dtype), tile_m)
+        x = wmatmul_x_layout(x, wmatmul_decode(fmt, x.dtype, two_level, scales.dtype) != "table", tile_m)
     part = jax.ffi.ffi_call(
         _FUSED_TARGET,
         jax.ShapeDtypeStruct((splits, m, codes.shape[0]), out_dtype if final else jnp.float32))(

@@ -26,8 +26,9 @@ def _require_wgmma(needed=True):
 
 
 # Every decode path of csrc/cuda/wmatmul.cu: the bit path (nvfp4 one level, mxfp4 with bf16
-# x, int4 with scales in x's dtype, incl. 16-element groups) and the table path (nvfp4 with
-# a per-tensor scale, nf4, bnb_fp4, mxfp4 with f16 x, int4 with other scale dtypes).
+# x, int4 with scales in x's dtype, incl. 16-element groups, and int4 with f16 scales and
+# bf16 x, the split scale) and the table path (nvfp4 with a per-tensor scale, nf4, bnb_fp4,
+# mxfp4 with f16 x, int4 with other scale dtypes).
 BF16, F16 = jnp.bfloat16, jnp.float16
 W_CASES = [
     ("nvfp4", 16, {}, BF16), ("nvfp4", 16, {"tensor_scale": "auto"}, BF16), ("mxfp4", 32, {}, BF16),
@@ -35,7 +36,8 @@ W_CASES = [
     ("int4", 128, {"scale_dtype": BF16}, BF16), ("int4", 16, {"scale_dtype": BF16}, BF16),
     ("int4", 32, {"scale_dtype": jnp.float32}, BF16),
     ("nvfp4", 16, {}, F16), ("nvfp4", 16, {"tensor_scale": "auto"}, F16), ("mxfp4", 32, {}, F16),
-    ("int4", 64, {}, F16), ("int4", 16, {"scale_dtype": F16}, F16)]
+    ("int4", 64, {}, F16), ("int4", 16, {"scale_dtype": F16}, F16),
+    ("int4", 128, {"scale_dtype": F16}, BF16), ("int4", 32, {"scale_dtype": BF16}, F16)]
 # (M, K, N): M = 1, 4, 13, 17, 33, 100, 300 (the wgmma kernel with tile_m = 8, 8, 16, 32,
 # 64, 128, 256, M ragged, two M tiles at 300; without wgmma, the mma family: the direct
 # kernel up to 13, the staged kernel above); K not a multiple of the 128/256-k steps; N not a
@@ -146,6 +148,115 @@ def test_fused_wmatmul_matches_reference(fmt, bs, kw, dtype, family, rng, monkey
     monkeypatch.setattr(primitives, "FUSED_MAX_M", 1 << 30)  # every M fused
     for m, k, n in SHAPES:
         _check_fused(fmt, bs, kw, dtype, m, k, n, family, rng)
+
+
+def _one_hot_rows(q, dtype, m, rng):
+    """The fused matmul (float32 out) of x = m one-hot rows (row i picks weight row r_i, r
+    random distinct) with q, and the reference's decoded weight rows r: equal bit for bit,
+    since each output is 1 * w plus exact zeros (so the check is on the kernel's decode)."""
+    k = q.shape[0]
+    rows = rng.permutation(k)[:m]
+    x = np.zeros((m, k), np.float32)
+    x[np.arange(m), rows] = 1.0
+    xg = jax.device_put(jnp.asarray(x, dtype), _gpu())
+    f32 = jax.jit(lambda x, q: jf.dot_general(x, q, (((1,), (0,)), ((), ())),
+                                              preferred_element_type=jnp.float32))
+    assert "jax_fp4_wmatmul_v3" in f32.lower(xg, q).as_text(), m
+    return np.asarray(f32(xg, q)), _ref_weight(q, dtype)[rows]
+
+
+@pytest.mark.parametrize("fmt,bs,kw,dtype", W_CASES, ids=str)
+def test_fused_wmatmul_decode_bit_exact(fmt, bs, kw, dtype, rng, monkeypatch):
+    """Each decode path's weights equal the reference's decode bit for bit (the matmul
+    checks above bound the sum, where a 1-ulp decode error could hide), at every tile
+    width of this GPU's kernels (wgmma 8 .. 256, or the mma.sync kernels), linear and
+    prepared layouts."""
+    _require_wgmma(False)
+    monkeypatch.setattr(primitives, "FUSED_MAX_M", 1 << 30)
+    k, n = 256, 256
+    w = (rng.standard_normal((k, n)) * 10.0 ** rng.integers(-3, 3, size=(1, n))).astype(np.float32)
+    q = jf.quantize(jax.device_put(jnp.asarray(w), _cpu()), fmt, axis=0, block_size=bs, **kw)
+    qs = [q] + ([jf.prepare(q)] if layout.tileable(fmt, bs, kw.get("scale_dtype", jnp.float32), k, n) else [])
+    for qq in qs:
+        qg = jax.device_put(qq, _gpu())
+        for m in (5, 16, 32, 64, 100, 256):
+            got, want = _one_hot_rows(qg, dtype, m, rng)
+            np.testing.assert_array_equal(got, want, err_msg=f"{fmt} {kw} M={m} {qq.scale_layout}")
+
+
+def test_fused_int4_split_scale_specials(rng, monkeypatch):
+    """int4 with f16 scales and bf16 x (the bit path with the scale split in two bf16
+    factors, csrc/cuda/wmatmul.cu make_dec): scales from random f16 bits (subnormals,
+    65504, low mantissa bits set), decoded bit for bit; an infinite or NaN scale gives
+    its output column what the reference's float32 product gives."""
+    _require_wgmma(False)
+    monkeypatch.setattr(primitives, "FUSED_MAX_M", 1 << 30)
+    k, n, bs = 256, 136, 32
+    assert primitives.wmatmul_decode("int4", jnp.bfloat16, False, jnp.float16) == "split"
+    bits = rng.integers(0, 0x7c00, size=(n, k // bs), dtype=np.uint16)  # finite, >= 0
+    bits |= (rng.random(bits.shape) < 0.5).astype(np.uint16) << 15  # either sign
+    bits[0, :3] = (0x7bff, 0x0001, 0x03ff)  # 65504, the least subnormal, the largest one
+    bits[1, :2] = (0x0000, 0x8000)  # +-0
+    codes = jnp.asarray(rng.integers(0, 256, size=(n, k // 2), dtype=np.uint8))
+    zeros = jnp.asarray(rng.integers(0, 16, size=(n, k // bs), dtype=np.uint8))
+
+    def qarray(b):
+        return jf.QArray(codes, jnp.asarray(b).view(jnp.float16), None, zeros, format="int4", axis=0,
+                         shape=(k, n), dtype=jnp.bfloat16, block_size=bs)
+
+    for m in (5, 64, 256):
+        got, want = _one_hot_rows(jax.device_put(qarray(bits), _gpu()), jnp.bfloat16, m, rng)
+        np.testing.assert_array_equal(got, want, err_msg=f"M={m}")
+    # inf, -inf, NaN scales: whole columns (x = ones) as the reference's products make them
+    special = bits.copy()
+    special[7, 2], special[9, 5], special[11, 0] = 0x7c00, 0xfc00, 0x7e00
+    q = jax.device_put(qarray(special), _gpu())
+    x = jax.device_put(jnp.ones((3, k), jnp.bfloat16), _gpu())
+    got = np.asarray(jax.jit(lambda x, q: jf.dot_general(x, q, (((1,), (0,)), ((), ())),
+                                                         preferred_element_type=jnp.float32))(x, q))
+    want = np.ones((3, k)) @ _ref_weight(q, jnp.bfloat16).astype(np.float64)
+    for c in (7, 9, 11):
+        np.testing.assert_array_equal(np.isnan(got[:, c]), np.isnan(want[:, c]), err_msg=str(c))
+        np.testing.assert_array_equal(got[:, c][~np.isnan(got[:, c])], want[:, c][~np.isnan(want[:, c])])
+    assert np.isnan(got[:, 11]).all()
+    assert np.isfinite(np.delete(got, [7, 9, 11], 1)).all()
+
+
+@pytest.mark.parametrize("family", ["wgmma", "mma"])
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=str)
+def test_fused_mxfp4_every_scale_bit_exact(dtype, family, rng, monkeypatch):
+    """mxfp4's bit path at every E8M0 scale 0..255, x bf16 and f16 (f16: the scale as
+    2^clamp(T + 14, -24, 15) then, past 2, 2^min(T - 1, 15) and 2^15: f16 subnormals,
+    rounding to zero, overflow to inf; csrc/cuda/wmatmul.cu make_decs): output column c has
+    scale c in block 1, whose codes are all zero but row `r0`'s (every code, both signs,
+    across the columns); the other blocks are random codes at scales 2^-20..2^1. x = one-hot
+    rows, r0 first: got equals x @ the reference's decoded weight in float64 bit for bit
+    (an infinite weight makes 0 * inf = NaN in the rows that miss it, in both)."""
+    _require_wgmma(family == "wgmma")
+    if family == "mma":
+        monkeypatch.setattr(primitives, "wgmma_available", lambda: False)
+    monkeypatch.setattr(primitives, "FUSED_MAX_M", 1 << 30)
+    k, n, r0 = 256, 256, 45
+    codes = rng.integers(0, 256, size=(n, k // 2), dtype=np.uint8)
+    codes[:, 16:32] = 0  # block 1 (k 32..63): +0 codes
+    nib = (np.arange(n) % 15 + 1).astype(np.uint8)  # codes 1..15 at row r0
+    codes[:, r0 // 2] = nib << 4 if r0 % 2 else nib
+    scales = rng.integers(107, 129, size=(n, k // 32), dtype=np.uint8)
+    scales[:, 1] = np.arange(n)
+    q = jf.QArray(jnp.asarray(codes), jnp.asarray(scales).view(jnp.float8_e8m0fnu), None, None,
+                  format="mxfp4", axis=0, shape=(k, n), dtype=jnp.float32, block_size=32)
+    w_ref = _ref_weight(q, dtype).astype(np.float64)
+    assert np.isinf(w_ref[r0]).any() and np.isnan(w_ref[r0, 255])  # (the cases exist)
+    qg = jax.device_put(q, _gpu())
+    f32 = jax.jit(lambda x, q: jf.dot_general(x, q, (((1,), (0,)), ((), ())),
+                                              preferred_element_type=jnp.float32))
+    for m in (5, 16, 64, 256):
+        rows = np.concatenate([[r0], rng.permutation(np.delete(np.arange(k), r0))[:m - 1]])
+        x = np.zeros((m, k), np.float32)
+        x[np.arange(m), rows] = 1.0
+        xg = jax.device_put(jnp.asarray(x, dtype), _gpu())
+        assert "jax_fp4_wmatmul_v3" in f32.lower(xg, qg).as_text(), m
+        np.testing.assert_array_equal(np.asarray(f32(xg, qg)), x @ w_ref, err_msg=f"M={m}")
 
 
 # mxfp4's bit path multiplies by two scale factors, the second 1 unless E8M0 > 128; the

@@ -85,7 +85,7 @@ def test_wmatmul_tile_rule():
     folded = primitives.wmatmul_folded
     assert folded("nvfp4", jnp.bfloat16, 0)
     assert not folded("nvfp4", jnp.bfloat16, 1)  # two-level: the tensor scale is applied too
-    assert not folded("nvfp4", jnp.float16, 0)
+    assert folded("nvfp4", jnp.float16, 0)
     assert not folded("mxfp4", jnp.bfloat16, 0)
     # 2-CTA clusters (x multicast) only at tile_m = 256, and only from some M on
     for fmt in primitives.FUSED_FORMATS:
@@ -176,24 +176,30 @@ def test_fused_wmatmul_size_rule(wgmma, monkeypatch):
         assert ok(x(lim), tiled)
     if wgmma:  # the multicast formats go further than the table decode
         assert primitives.wgmma_max_m("int4") > primitives.wgmma_max_m("nf4")
-    # mxfp4 with f16 x and int4 with scales not in x's dtype decode through the table: their
-    # own, lower limit (int4 with f16 x and f16 scales keeps the bit path's)
-    for fmt, bs, x_dtype, s_dtype in (("mxfp4", 32, jnp.float16, np.uint8),
-                                      ("int4", 128, jnp.bfloat16, jnp.float16)):
+    # where a format decodes otherwise than its FUSED_MAX_M_WGMMA entry was measured on (bf16
+    # x, the bit path): its own limit (FUSED_MAX_M_WGMMA_DECODE), lower
+    for fmt, bs, x_dtype, s_dtype, decode in (("int4", 128, jnp.float16, jnp.bfloat16, "table"),
+                                              ("int4", 128, jnp.bfloat16, jnp.float32, "table"),
+                                              ("int4", 128, jnp.bfloat16, jnp.float16, "split"),
+                                              ("mxfp4", 32, jnp.float16, np.uint8, "bits")):
+        assert primitives.wmatmul_decode(fmt, x_dtype, False, s_dtype) == decode
         q = dict(fmt=fmt, block_size=bs, two_level=False, tiled=False)
-        lim = primitives.wgmma_max_m(fmt, bit_path=False) if wgmma else primitives.FUSED_MAX_M
+        lim = primitives.wgmma_max_m(fmt, decode=decode, x_dtype=x_dtype) if wgmma else primitives.FUSED_MAX_M
         assert lim < primitives.wgmma_max_m(fmt) if wgmma else lim == primitives.FUSED_MAX_M
         assert ok(avals(lim, 256, x_dtype, s_dtype), q), fmt
         assert not ok(avals(lim + 1, 256, x_dtype, s_dtype), q), fmt
         assert ok(avals(lim + 1, 256, x_dtype, s_dtype), dict(q, tiled=True)) == wgmma, fmt
     int4 = dict(fmt="int4", block_size=128, two_level=False, tiled=False)
     lim = primitives.wgmma_max_m("int4") if wgmma else primitives.FUSED_MAX_M
-    assert ok(avals(lim, 256, jnp.float16, jnp.float16), int4)
+    for x_dtype in (jnp.bfloat16, jnp.float16):  # the bit path (scales in x's dtype)
+        assert ok(avals(lim, 256, x_dtype, x_dtype), int4) and not ok(avals(lim + 1, 256, x_dtype, x_dtype), int4)
+    assert (primitives.wgmma_max_m("int4", decode="split") > primitives.wgmma_max_m("int4", decode="table")
+            if wgmma else True)
     assert ok(avals(1, 256), nv)
     assert ok(avals(max_m, 256), nv2) and not ok(avals(max_m + 1, 256), nv2)
     assert ok(avals(max_f, 256), nv) and not ok(avals(max_f + 1, 256), nv)
     assert ok(avals(max_m, 256, jnp.float16), dict(nv, block_size=16))
-    assert not ok(avals(max_m + 1, 256, jnp.float16), nv)  # f16 x: not folded
+    assert ok(avals(max_f, 256, jnp.float16), nv) and not ok(avals(max_f + 1, 256, jnp.float16), nv)
     assert not ok(avals(4, 256, jnp.float32), nv)
     assert not ok(avals(4, 48), nv)  # K % 32
     assert not ok(avals(4, 288), dict(int4, block_size=48))  # odd group size
@@ -267,13 +273,14 @@ def test_wmatmul_x_layout(bit_path, m, k, tile_m):
     np.testing.assert_array_equal(y, xp[:, src])
 
 
-def test_wmatmul_bit_path_rule():
+def test_wmatmul_decode_rule():
     """The Python mirror of the kernel's use_bit_path (it picks the activation order)."""
-    bf16, f16 = jnp.bfloat16, jnp.float16
-    assert primitives.wmatmul_bit_path("nvfp4", bf16, False, np.uint8)
-    assert not primitives.wmatmul_bit_path("nvfp4", bf16, True, np.uint8)
-    assert primitives.wmatmul_bit_path("mxfp4", bf16, False, np.uint8)
-    assert not primitives.wmatmul_bit_path("mxfp4", f16, False, np.uint8)
-    assert primitives.wmatmul_bit_path("int4", f16, False, f16)
-    assert not primitives.wmatmul_bit_path("int4", bf16, False, np.float32)
-    assert not primitives.wmatmul_bit_path("nf4", bf16, False, np.float32)
+    bf16, f16, f32, u8 = jnp.bfloat16, jnp.float16, np.float32, np.uint8
+    d = primitives.wmatmul_decode
+    assert d("nvfp4", bf16, False, u8) == d("nvfp4", f16, False, u8) == "bits"
+    assert d("nvfp4", bf16, True, u8) == "table"
+    assert d("mxfp4", bf16, False, u8) == d("mxfp4", f16, False, u8) == "bits"
+    assert d("int4", f16, False, f16) == d("int4", bf16, False, bf16) == "bits"
+    assert d("int4", bf16, False, f16) == "split"
+    assert d("int4", f16, False, bf16) == d("int4", bf16, False, f32) == d("int4", f16, False, f32) == "table"
+    assert d("nf4", bf16, False, f32) == d("bnb_fp4", f16, False, f32) == "table"

@@ -204,7 +204,7 @@ using Bytes = std::integral_constant<int, N>;
 // ld_s(Bytes<n>, offset) / ld_z(Bytes<n>, offset) read n bytes at a byte offset into the
 // row's scales / zero points, from global memory or from a stage's scale box. `two`:
 // the chunk's second 16 elements have their own block (INT4 with block_size 16).
-template <int FMT, bool BITS, class LdS, class LdZ>
+template <int FMT, int BITS, class LdS, class LdZ>
 __device__ __forceinline__ void chunk_scales(Chunk& c, LdS ld_s, LdZ ld_z, int b, bool two,
                                              const WParams& p) {
   c.s1 = c.z = 0;
@@ -227,7 +227,7 @@ __device__ __forceinline__ void chunk_scales(Chunk& c, LdS ld_s, LdZ ld_z, int b
   }
 }
 
-template <int FMT, bool BITS, bool CHECK = true, bool CODES = true>
+template <int FMT, int BITS, bool CHECK = true, bool CODES = true>
 __device__ __forceinline__ void load_chunk(Chunk& c, const Rows& rs, int i, int k, bool kvalid,
                                            const WParams& p) {
   const bool valid = !CHECK || (kvalid && rs.n0 + 8 * i < p.N);
@@ -266,6 +266,12 @@ template <bool BF16>
 __device__ __forceinline__ uint32_t hsub2(uint32_t a, uint32_t b) {
   return packed2<BF16>(a, b, [](auto x, auto y) { return __hsub2(x, y); });
 }
+template <bool BF16>
+__device__ __forceinline__ uint32_t hfma2(uint32_t a, uint32_t b, uint32_t c) {  // a b + c, one rounding
+  return packed2<BF16>(a, b, [c](auto x, auto y) {
+    return __hfma2(x, y, *reinterpret_cast<const decltype(x)*>(&c));
+  });
+}
 
 // ---- Decoding one code word (8 elements of one weight row) into 4 MMA A registers ----
 //
@@ -277,18 +283,24 @@ __device__ __forceinline__ uint32_t hsub2(uint32_t a, uint32_t b) {
 // - bit path:   register p = physical (p, p+4), so that one shift and one LOP3 place both
 //               nibbles of a pair (nibble p in bits 4p.., nibble p+4 in bits 4p+16..).
 //
-// Bit path (nvfp4 one level, mxfp4 with bf16 x, int4 with scales in x's dtype): the
-// element value v and the block scale s are exact in x's dtype and v * s is exact in
-// float32, so one packed multiply rounds exactly as the reference's float32 product
-// rounded to x's dtype (DESIGN.md section 3, "Dequantize to bf16/f16").
+// Bit path (nvfp4 one level, mxfp4, int4 with scales in x's dtype or f16 scales with bf16
+// x): the element value v and the block scale s are exact in x's dtype (or in factors that
+// are) and v * s is exact in float32, so packed multiplies whose last alone rounds give
+// the reference's float32 product rounded to x's dtype (DESIGN.md section 3, "Dequantize to
+// bf16/f16").
 // E2M1: magnitude bits (e1 e0 m) go to the dtype's lowest exponent bits and top mantissa
 // bit (bf16 bits 8:6, f16 bits 11:9) and the sign to bit 15: those bits are the value
 // v * 2^-126 (bf16) or v * 2^-14 (f16) including the subnormal codes 0 and 0.5, so one
-// exact multiply by 2^126 / 2^14 gives v, then one by s (two multiplies: s * 2^126 may
-// overflow bf16; one where it cannot: nvfp4 with bf16 x, kFold below, and in the wgmma
-// kernel mxfp4 blocks whose E8M0 scale is <= 2, make_decs). INT4: (128 + q) in bf16 /
+// multiply by s times 2^126 / 2^14 gives v s where that factor is finite: nvfp4 folds part
+// of it into the accumulator (kFold below); mxfp4 multiplies once where its E8M0 scale is
+// <= 2 and by further factors above (make_decs, and in the wgmma kernel a warp vote,
+// mx_scale_fixup). INT4: (128 + q) in bf16 /
 // (1024 + q) in f16 by OR-ing q into the mantissa of 128 / 1024 (Marlin's magic-number
-// trick), minus (128 + z) exactly, times s.
+// trick), minus (128 + z) exactly, times s. INT4 with f16 scales and bf16 x (AWQ's scales
+// in a bf16 model; BITS = kBitsSplit): s = hi + lo, hi its top 8 significant bits (a bf16)
+// and lo the other 3 (exact in bf16), so (q - z) lo is exact (<= 7 bits) and one FMA
+// (q - z) hi + (q - z) lo rounds (q - z) s once, as the reference's float32 product (exact:
+// 4 x 11 bits) rounded to bf16.
 // Table path (everything else): the float32 value of each code from a per-CTA table in
 // shared memory, then the reference's float32 arithmetic and one rounding. Three layouts,
 // all free of bank conflicts:
@@ -344,20 +356,24 @@ __device__ __forceinline__ void e2m1_bits(uint32_t w, uint32_t p[4]) {
 }
 
 template <bool BF16>
-constexpr uint32_t kE2M1Fix = BF16 ? 0x7e807e80u : 0x74007400u;  // 2^126 / 2^14, both halves
-template <bool BF16>
 constexpr uint32_t kInt4Magic = BF16 ? 0x43004300u : 0x64006400u;  // 128 / 1024
 
-template <int FMT, bool BF16>
-constexpr bool kHasBitPath = FMT == kNVFP4 || FMT == kINT4 || (FMT == kMXFP4 && BF16);
-// nvfp4 (one level) with bf16 x folds the 2^126 into the scale as s * 2^117 (<= 448 * 2^117,
-// finite in bf16) and the remaining 2^9 into the float32 accumulator: the MMA sees
-// w * 2^-9 (exact: |w| >= 2^-10, so w * 2^-9 stays a normal bf16), one multiply per pair.
-// The sum is the same up to the accumulator's subnormal range (|x w| < 2^-117).
-template <int FMT, bool BF16, bool BITS>
-constexpr bool kFold = BITS && BF16 && FMT == kNVFP4;
-template <int FMT, bool BF16, bool BITS>
-constexpr float kAccScale = kFold<FMT, BF16, BITS> ? 512.0f : 1.0f;
+template <int FMT>
+constexpr bool kHasBitPath = FMT == kNVFP4 || FMT == kINT4 || FMT == kMXFP4;
+// The kernels' BITS: 0 the table path, 1 the bit path, kBitsSplit INT4's bit path with the
+// scale split in two bf16 factors (f16 scales, bf16 x).
+constexpr int kBitsSplit = 2;
+// nvfp4 (one level) folds the placement's factor into the scale and the float32
+// accumulator, one multiply per pair. bf16 x: the 2^126 as s * 2^117 (<= 448 * 2^117,
+// finite in bf16) and 2^9: the MMA sees w * 2^-9 (exact: |w| >= 2^-10, so w * 2^-9 stays a
+// normal bf16). f16 x: the 2^14 as s * 2^6 (<= 28672, finite in f16) and 2^8: the MMA sees
+// w * 2^-8, exact (w = v s is a multiple of 2^-10 below 2688, so w * 2^-8 is a multiple of
+// f16's least subnormal 2^-24 below 10.5). The sum is the same up to the accumulator's
+// subnormal range (|x w| < 2^-117 / 2^-118).
+template <int FMT, bool BF16, int BITS>
+constexpr bool kFold = BITS && FMT == kNVFP4;
+template <int FMT, bool BF16, int BITS>
+constexpr float kAccScale = kFold<FMT, BF16, BITS> ? (BF16 ? 512.0f : 256.0f) : 1.0f;
 
 // The E4M3 bytes 0 and 1 of `bits` in float32 (one cvt.rn.f16x2.e4m3x2 on sm_89+).
 __device__ __forceinline__ void e4m3x2_decode(uint32_t bits, float* lo, float* hi) {
@@ -376,15 +392,26 @@ __device__ __forceinline__ void e4m3x2_decode(uint32_t bits, float* lo, float* h
 // Decode constants of one (row, 16-element half of a chunk).
 struct Dec {
   uint32_t s2, z2;  // bit path: scale pair, INT4 (magic + z) pair, MXFP4 second factor
+  uint32_t t2;      // a third factor: kBitsSplit's scale low part, MXFP4 with f16 x's last
   float s, z;       // table path
 };
 
-template <int FMT, bool BF16, bool BITS>
+template <int FMT, bool BF16, int BITS>
 __device__ __forceinline__ Dec make_dec(uint32_t sbits, uint32_t zbits, float ts,
                                         const WParams& p) {
   static_assert(!BITS || FMT == kINT4, "make_decs decodes the other bit-path scales itself");
   Dec d;
-  if constexpr (BITS) {  // INT4, scales stored in x's dtype: their bits
+  if constexpr (BITS == kBitsSplit) {  // INT4, f16 scales, bf16 x: hi + lo (see above)
+    const float s = __half2float(__ushort_as_half(static_cast<unsigned short>(sbits & 0xffffu)));
+    const uint32_t sb = __float_as_uint(s);
+    // lo = s - hi, exact; +-0 with s's sign where s is a bf16 (so that a zero product keeps
+    // the reference's sign) or not finite (hi alone then gives inf / NaN as s does)
+    const float lo = isfinite(s) ? s - __uint_as_float(sb & 0xffff0000u) : 0.0f;
+    const uint32_t lob = (__float_as_uint(lo) & 0x7fffffffu) | (sb & 0x80000000u);
+    d.s2 = (isnan(s) ? 0x7fffu : sb >> 16) * 0x10001u;
+    d.t2 = (lob >> 16) * 0x10001u;
+    d.z2 = ((kInt4Magic<BF16> & 0xffffu) + zbits) * 0x10001u;
+  } else if constexpr (BITS) {  // INT4, scales stored in x's dtype: their bits
     d.s2 = (sbits & 0xffffu) * 0x10001u;
     d.z2 = ((kInt4Magic<BF16> & 0xffffu) + zbits) * 0x10001u;  // 128 + z / 1024 + z: exact
   } else {
@@ -399,7 +426,7 @@ __device__ __forceinline__ Dec make_dec(uint32_t sbits, uint32_t zbits, float ts
 // its rows is > 2, by a warp vote, so that skipping it is one warp-uniform branch per group
 // of words. The mma.sync kernels always apply it (a vote and branch made them 0-3% slower:
 // they are bound by their loads).
-template <int FMT, bool BITS>
+template <int FMT, int BITS>
 __device__ __forceinline__ bool mx_scale_fixup(const Chunk (&c)[2]) {
   if constexpr (FMT == kMXFP4 && BITS)
     return !__all_sync(0xffffffffu, (c[0].s & 0xffu) <= 128u && (c[1].s & 0xffu) <= 128u);
@@ -408,17 +435,31 @@ __device__ __forceinline__ bool mx_scale_fixup(const Chunk (&c)[2]) {
 }
 
 // Both halves of a chunk.
-template <int FMT, bool BF16, bool BITS>
+template <int FMT, bool BF16, int BITS>
 __device__ __forceinline__ void make_decs(const Chunk& c, float ts, const WParams& p, Dec d[2]) {
   if constexpr (FMT == kNVFP4 && BITS) {
     float s0, s1;
     e4m3x2_decode(c.s, &s0, &s1);
     if constexpr (kFold<FMT, BF16, BITS>) {
-      s0 *= 0x1p117f;
-      s1 *= 0x1p117f;
+      s0 *= BF16 ? 0x1p117f : 0x1p6f;
+      s1 *= BF16 ? 0x1p117f : 0x1p6f;
     }
-    d[0].s2 = pack2<BF16>(s0, s0);  // exact: s * 2^117 <= 448 * 2^117, 4 significant bits
+    d[0].s2 = pack2<BF16>(s0, s0);  // exact: 4 significant bits, in range (kFold)
     d[1].s2 = pack2<BF16>(s1, s1);
+  } else if constexpr (FMT == kMXFP4 && BITS && !BF16) {
+    // f16 x: the placed bits are v * 2^-14. With T = e - 127: times s2 = 2^clamp(T + 14,
+    // -24, 15), they are v * 2^T rounded once for T in [-38, 1] (v * 2^-14 * 2^-24 is the
+    // least f16 subnormal at v = 0.5, exact), and +-0 below, as the reference's v * 2^T
+    // rounds to f16 there (< 2^-25); for T > 1 (e > 128, mx_scale_fixup): 2 v exactly, then
+    // times z2 = 2^min(T - 1, 15) (NaN for 255), rounded once for T <= 16, and times t2 =
+    // 2^15 for T > 16, where every v != 0 overflows to inf as in the reference (2 v 2^30).
+    const int e = static_cast<int>(c.s & 0xffu), t = e - 127;
+    const int es = t + 14 < -24 ? -24 : t + 14 > 15 ? 15 : t + 14;  // s2's exponent
+    d[0].s2 = (es >= -14 ? static_cast<uint32_t>(es + 15) << 10 : 1u << (es + 24)) * 0x10001u;
+    d[0].z2 = e <= 128 ? 0x3c003c00u : e == 255 ? 0x7e007e00u
+                                                : (static_cast<uint32_t>((t - 1 < 15 ? t - 1 : 15) + 15) << 10) * 0x10001u;
+    d[0].t2 = e > 143 && e != 255 ? 0x78007800u : 0x3c003c00u;
+    d[1] = d[0];
   } else if constexpr (FMT == kMXFP4 && BITS) {
     // E8M0 code e: 2^(e - 127) (255: NaN). The placed bits are v * 2^-126; times s2 =
     // 2^(min(e, 128) - 1), a normal bf16, they are v * 2^(min(e, 128) - 127) exactly
@@ -443,6 +484,14 @@ __device__ __forceinline__ void make_decs(const Chunk& c, float ts, const WParam
   } else {
     d[0] = d[1] = make_dec<FMT, BF16, BITS>(c.s, 0, ts, p);
   }
+}
+
+// MXFP4's factors after s2 where a block scale is > 2 (make_decs): z2, and t2 for f16 x.
+template <bool BF16>
+__device__ __forceinline__ uint32_t mx_fix(uint32_t a, const Dec& d) {
+  a = hmul2<BF16>(a, d.z2);
+  if constexpr (!BF16) a = hmul2<BF16>(a, d.t2);
+  return a;
 }
 
 // w << s, or w >> -s for s < 0 (|s| < 32; s a constant once the caller's loop is unrolled)
@@ -497,7 +546,7 @@ __device__ __forceinline__ void table_finish(const float v[8], const Dec& d, uin
 
 // FIX = false: an MXFP4 bit-path word without its second scale factor, which the caller
 // applies to its group of words where mx_scale_fixup says (the wgmma kernel).
-template <int FMT, bool BF16, bool BITS, int COPIES, bool FIX = true>
+template <int FMT, bool BF16, int BITS, int COPIES, bool FIX = true>
 __device__ __forceinline__ void decode_word(uint32_t w, const Dec& d, const float2* table,
                                             uint32_t copy, uint32_t out[4]) {
   if constexpr (BITS && FMT == kINT4) {
@@ -506,20 +555,16 @@ __device__ __forceinline__ void decode_word(uint32_t w, const Dec& d, const floa
       uint32_t q;  // (w >> 4i) & 0x000f000f | magic as one LOP3 (the magic in a register)
       asm("lop3.b32 %0, %1, %2, %3, 0xea;\n"
           : "=r"(q) : "r"(w >> (4 * i)), "n"(0x000f000fu), "r"(kInt4Magic<BF16>));
-      out[i] = hmul2<BF16>(hsub2<BF16>(q, d.z2), d.s2);
+      const uint32_t qz = hsub2<BF16>(q, d.z2);
+      out[i] = BITS == kBitsSplit ? hfma2<BF16>(qz, d.s2, hmul2<BF16>(qz, d.t2)) : hmul2<BF16>(qz, d.s2);
     }
   } else if constexpr (BITS) {
     e2m1_bits<BF16>(w, out);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      if constexpr (kFold<FMT, BF16, BITS>) {  // the scale absorbs the placement's 2^126
-        out[i] = hmul2<BF16>(out[i], d.s2);
-      } else if constexpr (FMT == kMXFP4) {  // (see make_decs)
-        out[i] = hmul2<BF16>(out[i], d.s2);
-        if constexpr (FIX) out[i] = hmul2<BF16>(out[i], d.z2);
-      } else {
-        out[i] = hmul2<BF16>(hmul2<BF16>(out[i], kE2M1Fix<BF16>), d.s2);
-      }
+      // nvfp4: the scale absorbs the placement's factor (kFold); mxfp4: see make_decs
+      out[i] = hmul2<BF16>(out[i], d.s2);
+      if constexpr (FMT == kMXFP4 && FIX) out[i] = mx_fix<BF16>(out[i], d);
     }
   } else {
 #pragma unroll
@@ -534,7 +579,7 @@ __device__ __forceinline__ void decode_word(uint32_t w, const Dec& d, const floa
 
 // Activations for one code word's 8 physical k (natural order in X) -> the B registers
 // of the two MMA steps in the pairing of decode_word.
-template <bool BITS>
+template <int BITS>
 __device__ __forceinline__ uint4 x_pairs(uint4 X) {
   if constexpr (BITS)  // (x0,x4) (x1,x5) (x2,x6) (x3,x7)
     return make_uint4(__byte_perm(X.x, X.z, 0x5410), __byte_perm(X.x, X.z, 0x7632),
@@ -594,7 +639,7 @@ __device__ void mma16816(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) 
 // One 16-row tile times MT 8-column activation tiles for one code word per row half:
 // w[h] is the word of row g (h = 0) / g + 8 (h = 1), d[h] its decode constants, xb[mt]
 // the activation pairs (x_pairs) of the same 8 physical k.
-template <int FMT, bool BF16, bool BITS, int MT, int COPIES>
+template <int FMT, bool BF16, int BITS, int MT, int COPIES>
 __device__ __forceinline__ void tile_step(float (*acc)[4], const uint32_t w[2], const Dec d[2],
                                           const uint4* xb, const float2* table, uint32_t copy) {
   uint32_t r[2][4];
@@ -683,7 +728,7 @@ __device__ void cp_async16(void* smem, const void* gmem, bool valid) {
 // Lane (g, t) owns k [32t, 32t + 32) of weight rows g, g + 8 of each of its tiles per
 // 128-k super-step; activations are staged per super-step in shared memory in the lane's
 // fragment order (bit path: pair-permuted on the way), zero past M and K.
-template <int FMT, bool BF16, bool BITS, int MT>
+template <int FMT, bool BF16, int BITS, int MT>
 __global__ void __launch_bounds__(kWarps * 32) wmatmul_kernel(
     const uint16_t* __restrict__ x, const uint8_t* __restrict__ codes,
     const void* __restrict__ scales, const uint8_t* __restrict__ zeros,
@@ -795,7 +840,7 @@ constexpr int kDirectL = 2;
 constexpr int kDirectRowsPerCta = kRowsPerCta;        // 128
 constexpr int kDirectStepK = 4 * 32 * kDirectL;       // 256
 
-template <int FMT, bool BF16, bool BITS, int MT>
+template <int FMT, bool BF16, int BITS, int MT>
 __global__ void __launch_bounds__(kWarps * 32, 4) wmatmul_direct_kernel(
     const uint16_t* __restrict__ x, const uint8_t* __restrict__ codes,
     const void* __restrict__ scales, const uint8_t* __restrict__ zeros,
@@ -991,7 +1036,7 @@ __host__ __device__ constexpr int wg_copies() {
 // word there ptxas serializes its wgmmas, C7513). The bit path with 4 words (one group a
 // step) at BN = 8 / 16 was 10-30% slower, with 1 word equal to 1.5% slower (NOTES.md
 // round 22).
-template <int FMT, bool BITS, int BN>
+template <int FMT, int BITS, int BN>
 __host__ __device__ constexpr int wg_words() { return BN >= 256 || (!BITS && FMT != kINT4 && BN == 8) ? 1 : 2; }
 // Whether the table path loads a group's table values before issuing the wgmmas of the
 // group before (the group's multiplies after them; table_load / table_finish): at BN = 256,
@@ -1029,7 +1074,7 @@ __host__ __device__ constexpr bool wg_table_ahead() { return BN == 256 || (BN ==
 //   slack): harness, H100, nf4 M = 1 prepared 60.6 / 55.4 -> 59.0 / 54.3 us, linear 69.6 /
 //   65.7 -> 66.0 / 60.7 (round 21). At BN = 16 and 64 the table leaves no room for them;
 //   with the 16-copy table instead at BN = 8 and 16 it was 4-8% slower (round 20).
-template <int FMT, bool BITS, int BN, bool TILED = false>
+template <int FMT, int BITS, int BN, bool TILED = false>
 __host__ __device__ constexpr int wg_sub() {
   return (BITS && BN <= 64) || (!BITS && FMT != kINT4 && BN == 8) || (TILED && (BITS ? BN == 128 : BN == 32))
              ? 2
@@ -1049,7 +1094,7 @@ __host__ __device__ constexpr int wg_sub() {
 // path's at BN = 32 and linear INT4's at BN = 32: 2 (a third would not fit: two CTAs per SM
 // at BN <= 64, the SM at 128).
 // Other stage counts and steps per stage at BN = 8 to 64 were slower (round 20).
-template <int FMT, bool BITS, int BN, bool TILED = false>
+template <int FMT, int BITS, int BN, bool TILED = false>
 __host__ __device__ constexpr int wg_stages() {
   if constexpr (!BITS && wg_copies<FMT, BN>() == kWideCopies) return BN == 8 ? 2 : 3;
   if constexpr (BITS && BN == 8) return 3;
@@ -1068,9 +1113,9 @@ template <int BN>  // a step's activation tile: BN rows x 128 k
 __host__ __device__ constexpr int wg_x_bytes() { return BN * kWgStepK * 2; }
 template <int BN>  // CTAs per SM the kernel is built for (launch bounds)
 __host__ __device__ constexpr int wg_ctas() { return BN >= 128 ? 1 : 2; }
-template <int FMT, bool BITS, int BN>  // a stage's box width: 16 bytes per step it holds
+template <int FMT, int BITS, int BN>  // a stage's box width: 16 bytes per step it holds
 __host__ __device__ constexpr int wg_box_cols() { return kWgBoxCols * wg_sub<FMT, BITS, BN>(); }
-template <int FMT, bool BITS, int BN>  // a stage's scale box, and INT4's zero-point box
+template <int FMT, int BITS, int BN>  // a stage's scale box, and INT4's zero-point box
 __host__ __device__ constexpr int wg_side_bytes() { return (FMT == kINT4 ? 2 : 1) * kWgRows * wg_box_cols<FMT, BITS, BN>(); }
 // The dynamic shared memory, from its base (1024-aligned: the 128-byte TMA swizzle's atom,
 // by the `.align 1024` of its declaration): the stages (the epilogue's tile reuses them),
@@ -1078,24 +1123,24 @@ __host__ __device__ constexpr int wg_side_bytes() { return (FMT == kINT4 ? 2 : 1
 // the `full`, `empty` and `pair` mbarriers, 8 bytes per stage each. No alignment slack and
 // no static shared memory: a CTA takes what this says plus the 1 KB reserved per CTA
 // (kSmemReserved), which is what decides two CTAs per SM at BN <= 64.
-template <int FMT, int BN, bool BITS, bool TILED = false>
+template <int FMT, int BN, int BITS, bool TILED = false>
 __host__ __device__ constexpr int wg_table_off(int stage_bytes) {
   const int pipe = wg_stages<FMT, BITS, BN, TILED>() * stage_bytes;
   const int epi = BN * kOutStride * 4;
   return ((pipe > epi ? pipe : epi) + 1023) / 1024 * 1024;
 }
-template <int FMT, int BN, bool BITS, bool TILED = false>
+template <int FMT, int BN, int BITS, bool TILED = false>
 __host__ __device__ constexpr int wg_bar_off(int stage_bytes) {
   return wg_table_off<FMT, BN, BITS, TILED>(stage_bytes) +
          (BITS ? 0 : table_bytes<wg_copies<FMT, BN>()>() +
                      (wg_copies<FMT, BN>() == kLaneTable ? kLaneTableAlign - 1024 : 0));
 }
-template <int FMT, int BN, bool BITS, bool TILED = false>
+template <int FMT, int BN, int BITS, bool TILED = false>
 __host__ __device__ constexpr int wg_smem_for(int stage_bytes) {
   return wg_bar_off<FMT, BN, BITS, TILED>(stage_bytes) + 3 * 8 * wg_stages<FMT, BITS, BN, TILED>();
 }
 constexpr int kSmemReserved = 1024;  // shared memory the driver reserves per CTA (sm_80 on)
-template <int FMT, int BN, bool BITS, bool TILED = false>  // wg_ctas CTAs fit an SM (228 KB)
+template <int FMT, int BN, int BITS, bool TILED = false>  // wg_ctas CTAs fit an SM (228 KB)
 __host__ __device__ constexpr bool wg_fits(int stage_bytes) {
   return wg_ctas<BN>() * (wg_smem_for<FMT, BN, BITS, TILED>(stage_bytes) + kSmemReserved) <= 228 * 1024;
 }
@@ -1119,7 +1164,7 @@ __host__ __device__ constexpr int wg_tile_scale_row() {  // 0: by block size and
 // a step's scales and zero points at most (int4 / nf4 / bnb_fp4; jax_fp4.layout.tileable):
 // int4 in groups of 128 with 2-byte scales take 384 bytes, nf4 in blocks of 64 1 KB
 constexpr int kWgTiledSide = 2048;
-template <int FMT, bool BITS, int BN>  // a stage's room for them (1024-aligned, as the stages)
+template <int FMT, int BITS, int BN>  // a stage's room for them (1024-aligned, as the stages)
 __host__ __device__ constexpr int wg_tiled_side_bytes() {
   return wg_sub<FMT, BITS, BN, true>() *
          (wg_tile_scale_row<FMT>() ? (kWgRows * wg_tile_scale_row<FMT>() + 1023) / 1024 * 1024 : kWgTiledSide);
@@ -1131,7 +1176,7 @@ __host__ __device__ constexpr int wg_tiled_side_bytes() {
 // the stall samples at M = 1, and the boxes with wg_sub took M = 16 2.5% faster through
 // JAX, M = 1 equal; mxfp4 and int4 gain 7-27% from the boxes, round 4),
 // and only where the boxes do not cost a CTA per SM (wg_fits).
-template <int FMT, bool BITS, int BN>
+template <int FMT, int BITS, int BN>
 __host__ __device__ constexpr bool wg_boxes() {
   return BN <= 128 && (FMT != kNVFP4 || BN <= 32) &&
          wg_fits<FMT, BN, BITS>(wg_sub<FMT, BITS, BN>() * (wg_x_bytes<BN>() + kWgCodeBytes) +
@@ -1140,7 +1185,7 @@ __host__ __device__ constexpr bool wg_boxes() {
 // stage = [activation tiles | weight codes | scale boxes or prepared scales], the first
 // two one per step it holds; the last the scale boxes' room (where they fit) in the linear
 // layout's instance, the prepared scales' in the TILED one
-template <int FMT, bool BITS, int BN, bool TILED>
+template <int FMT, int BITS, int BN, bool TILED>
 __host__ __device__ constexpr int wg_stage_bytes() {
   return wg_sub<FMT, BITS, BN, TILED>() * (wg_x_bytes<BN>() + kWgCodeBytes) +
          (TILED ? wg_tiled_side_bytes<FMT, BITS, BN>() : wg_boxes<FMT, BITS, BN>() ? wg_side_bytes<FMT, BITS, BN>() : 0);
@@ -1148,7 +1193,7 @@ __host__ __device__ constexpr int wg_stage_bytes() {
 static_assert(wg_boxes<kINT4, true, 8>() && wg_boxes<kINT4, true, 16>() && wg_boxes<kINT4, true, 32>() &&
                   wg_boxes<kINT4, true, 64>(),
               "linear INT4's stages of two (wg_sub) are measured with its scale and zero-point boxes");
-template <int FMT, bool BITS, int BN, bool TILED>
+template <int FMT, int BITS, int BN, bool TILED>
 __host__ __device__ constexpr int wg_smem_bytes() {
   return wg_smem_for<FMT, BN, BITS, TILED>(wg_stage_bytes<FMT, BITS, BN, TILED>());
 }
@@ -1206,7 +1251,7 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
 
 // TILED: the weight in the prepared layout (a second instance: with the layout a runtime
 // flag, the linear layout's step loop grew and ran 1-4% slower on the harness)
-template <int FMT, bool BF16, bool BITS, int BN, bool TILED>
+template <int FMT, bool BF16, int BITS, int BN, bool TILED>
 __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma_kernel(
     const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap w_map,
     const __grid_constant__ CUtensorMap s_map, const __grid_constant__ CUtensorMap z_map,
@@ -1557,7 +1602,7 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
 #pragma unroll
         for (int i = 0; i < 2 * kWords; ++i)
 #pragma unroll
-          for (int j = 0; j < 4; ++j) a[i][j] = hmul2<BF16>(a[i][j], d[j & 1][0].z2);  // row j & 1
+          for (int j = 0; j < 4; ++j) a[i][j] = mx_fix<BF16>(a[i][j], d[j & 1][0]);  // row j & 1
       }
       if constexpr (kAhead) if (w0 + kWords < 4) group_loads(w0 + kWords);
       fence_regs<2 * kWords>(a);
@@ -1634,13 +1679,14 @@ int64_t step_k(int64_t M, int64_t tile_m) {
   return tile_m > 0 ? kWgStepK : direct_path(M) ? kDirectStepK : kStepK;
 }
 
-// Whether the bit path is exact for this call (see the decode comment above).
+// Which bit path is exact for this call (see the decode comment above): 0 none (the table
+// path), 1, or kBitsSplit.
 template <int FMT, bool BF16>
-bool use_bit_path(const WParams& p) {
-  if constexpr (!kHasBitPath<FMT, BF16>) return false;
+int use_bit_path(const WParams& p) {
+  if constexpr (!kHasBitPath<FMT>) return 0;
   if (FMT == kNVFP4) return !p.two_level;
-  if (FMT == kINT4) return p.st == (BF16 ? kScaleBF16 : kScaleF16);
-  return true;
+  if (FMT == kINT4) return p.st == (BF16 ? kScaleBF16 : kScaleF16) ? 1 : BF16 && p.st == kScaleF16 ? kBitsSplit : 0;
+  return 1;
 }
 
 // The wgmma kernel instance runs here only if its sm_90a code was built and the device is
@@ -1694,7 +1740,7 @@ cudaError_t tensor_map_2d(CUtensorMap* map, CUtensorMapDataType type, const void
   return tensor_map(map, type, base, 2, dims, strides, box, swizzle, promotion);
 }
 
-template <int FMT, bool BF16, bool BITS, int BN>
+template <int FMT, bool BF16, int BITS, int BN>
 cudaError_t launch_wgmma(cudaStream_t stream, const uint16_t* xp, const uint8_t* cp,
                          const void* sp, const uint8_t* zp, const float* tp, void* out,
                          const WParams& p, int splits) {
@@ -1796,7 +1842,7 @@ cudaError_t launch_wgmma(cudaStream_t stream, const uint16_t* xp, const uint8_t*
   return cudaLaunchKernelEx(&cfg, kernel, x_map, w_map, s_map, z_map, cp, sp, zp, tp, out, q);
 }
 
-template <int FMT, bool BF16, bool BITS>
+template <int FMT, bool BF16, int BITS>
 cudaError_t launch_kernel(cudaStream_t stream, const uint16_t* xp, const uint8_t* cp,
                           const void* sp, const uint8_t* zp, const float* tp, void* out,
                           const WParams& p, int splits, int64_t tile_m) {
@@ -1829,24 +1875,34 @@ cudaError_t launch_kernel(cudaStream_t stream, const uint16_t* xp, const uint8_t
   return cudaGetLastError();
 }
 
+// The kernel instance of the call's decode path (use_bit_path).
+template <int FMT, bool BF16>
+cudaError_t launch_decode(cudaStream_t stream, const uint16_t* xp, const uint8_t* cp,
+                          const void* sp, const uint8_t* zp, const float* tp, void* out,
+                          const WParams& p, int splits, int64_t tile_m) {
+  switch (use_bit_path<FMT, BF16>(p)) {
+    case 0:  // (MXFP4 always has its bit path)
+      if constexpr (FMT != kMXFP4) return launch_kernel<FMT, BF16, 0>(stream, xp, cp, sp, zp, tp, out, p, splits, tile_m);
+      break;
+    case 1:
+      if constexpr (kHasBitPath<FMT>) return launch_kernel<FMT, BF16, 1>(stream, xp, cp, sp, zp, tp, out, p, splits, tile_m);
+      break;
+    default:
+      if constexpr (FMT == kINT4 && BF16)
+        return launch_kernel<FMT, BF16, kBitsSplit>(stream, xp, cp, sp, zp, tp, out, p, splits, tile_m);
+  }
+  return cudaErrorInvalidValue;  // (use_bit_path gives no other path)
+}
+
 template <int FMT, bool BF16>
 ffi::Error launch_fmt(cudaStream_t stream, const ffi::AnyBuffer& x, const ffi::AnyBuffer& codes,
                       const ffi::AnyBuffer& scales, const ffi::AnyBuffer& zeros,
                       const ffi::AnyBuffer& ts, void* out, const WParams& p, int splits,
                       int64_t tile_m) {
-  const auto* xp = static_cast<const uint16_t*>(x.untyped_data());
-  const auto* cp = static_cast<const uint8_t*>(codes.untyped_data());
-  const auto* zp = static_cast<const uint8_t*>(zeros.untyped_data());
-  const auto* tp = static_cast<const float*>(ts.untyped_data());
-  const void* sp = scales.untyped_data();
-  cudaError_t e;
-  if constexpr (kHasBitPath<FMT, BF16>) {
-    e = use_bit_path<FMT, BF16>(p)
-            ? launch_kernel<FMT, BF16, true>(stream, xp, cp, sp, zp, tp, out, p, splits, tile_m)
-            : launch_kernel<FMT, BF16, false>(stream, xp, cp, sp, zp, tp, out, p, splits, tile_m);
-  } else {
-    e = launch_kernel<FMT, BF16, false>(stream, xp, cp, sp, zp, tp, out, p, splits, tile_m);
-  }
+  const cudaError_t e = launch_decode<FMT, BF16>(
+      stream, static_cast<const uint16_t*>(x.untyped_data()), static_cast<const uint8_t*>(codes.untyped_data()),
+      scales.untyped_data(), static_cast<const uint8_t*>(zeros.untyped_data()),
+      static_cast<const float*>(ts.untyped_data()), out, p, splits, tile_m);
   if (e == cudaErrorNoKernelImageForDevice && tile_m > 0)
     return ffi::Error::InvalidArgument(
         "jax_fp4_wmatmul (CUDA): attribute `tile_m` = " + std::to_string(tile_m) +
