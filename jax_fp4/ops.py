@@ -402,8 +402,10 @@ def matmul(x, w: QArray):
     On CUDA, with bf16/f16 x and a 4-bit weight (nvfp4, mxfp4, nf4, bnb_fp4, int4;
     K % 32 == 0; power-of-two block size), this runs the fused W4A16 kernel
     (csrc/cuda/wmatmul.cu) for up to ``primitives.wgmma_max_m`` rows of x on a Hopper
-    GPU with an sm_90a build (4096 for mxfp4 and one-level nvfp4 with bf16 x, 2048 for
-    int4, 1024 otherwise; ``primitives.FUSED_MAX_M`` rows elsewhere);
+    GPU with an sm_90a build (4096 for one-level nvfp4, int4 with scales in x's dtype and
+    mxfp4 with bf16 x; 2048 for nf4, bnb_fp4, two-level nvfp4, mxfp4 with f16 x and int4
+    with f16 scales and bf16 x; 1024 for int4 with other scale dtypes; any M for a weight
+    through ``jax_fp4.prepare``; ``primitives.FUSED_MAX_M`` rows elsewhere);
     otherwise dequantize + XLA dot. The size rule and its measurements:
     jax_fp4/primitives.py, benchmarks/RESULTS.md.
 
