@@ -165,13 +165,16 @@ def _one_hot_rows(q, dtype, m, rng):
     return np.asarray(f32(xg, q)), _ref_weight(q, dtype)[rows]
 
 
+@pytest.mark.parametrize("family", ["wgmma", "mma"])
 @pytest.mark.parametrize("fmt,bs,kw,dtype", W_CASES, ids=str)
-def test_fused_wmatmul_decode_bit_exact(fmt, bs, kw, dtype, rng, monkeypatch):
+def test_fused_wmatmul_decode_bit_exact(fmt, bs, kw, dtype, family, rng, monkeypatch):
     """Each decode path's weights equal the reference's decode bit for bit (the matmul
-    checks above bound the sum, where a 1-ulp decode error could hide), at every tile
-    width of this GPU's kernels (wgmma 8 .. 256, or the mma.sync kernels), linear and
-    prepared layouts."""
-    _require_wgmma(False)
+    checks above bound the sum, where a 1-ulp decode error could hide), in every kernel
+    family (wgmma at tiles 8 .. 256; the mma.sync kernels other GPUs run, direct and
+    staged), linear and prepared layouts."""
+    _require_wgmma(family == "wgmma")
+    if family == "mma":
+        monkeypatch.setattr(primitives, "wgmma_available", lambda: False)
     monkeypatch.setattr(primitives, "FUSED_MAX_M", 1 << 30)
     k, n = 256, 256
     w = (rng.standard_normal((k, n)) * 10.0 ** rng.integers(-3, 3, size=(1, n))).astype(np.float32)
@@ -184,12 +187,15 @@ def test_fused_wmatmul_decode_bit_exact(fmt, bs, kw, dtype, rng, monkeypatch):
             np.testing.assert_array_equal(got, want, err_msg=f"{fmt} {kw} M={m} {qq.scale_layout}")
 
 
-def test_fused_int4_split_scale_specials(rng, monkeypatch):
+@pytest.mark.parametrize("family", ["wgmma", "mma"])
+def test_fused_int4_split_scale_specials(family, rng, monkeypatch):
     """int4 with f16 scales and bf16 x (the bit path with the scale split in two bf16
     factors, csrc/cuda/wmatmul.cu make_dec): scales from random f16 bits (subnormals,
     65504, low mantissa bits set), decoded bit for bit; an infinite or NaN scale gives
     its output column what the reference's float32 product gives."""
-    _require_wgmma(False)
+    _require_wgmma(family == "wgmma")
+    if family == "mma":
+        monkeypatch.setattr(primitives, "wgmma_available", lambda: False)
     monkeypatch.setattr(primitives, "FUSED_MAX_M", 1 << 30)
     k, n, bs = 256, 136, 32
     assert primitives.wmatmul_decode("int4", jnp.bfloat16, False, jnp.float16) == "split"
