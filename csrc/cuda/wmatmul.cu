@@ -156,14 +156,14 @@ __device__ __forceinline__ uint32_t ld_weight(const void* ptr, bool valid) {
 }
 #undef JF4_LD_WEIGHT
 
-// The block scale in float32, as the reference decodes it (DESIGN.md section 3).
+// The block scale in float32, as the reference decodes it (DESIGN.md section 3), for the
+// table path (MXFP4 always takes its bit path, use_bit_path).
 template <int FMT>
 __device__ float scale_value(uint32_t bits, float ts, const WParams& p) {
+  static_assert(FMT != kMXFP4, "MXFP4 decodes by its bit path");
   if constexpr (FMT == kNVFP4) {
     const float s = e4m3_decode(bits);
     return p.two_level ? __fmul_rn(ts, s) : s;
-  } else if constexpr (FMT == kMXFP4) {
-    return e8m0_decode(bits);
   } else if constexpr (FMT == kINT4) {
     return scale_from_bits(bits, p.st);
   } else {
