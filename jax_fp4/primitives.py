@@ -435,12 +435,12 @@ def _wmatmul_transpose(ct, x, codes, scales, zeros, ts, **params):
 #   linear-layout weight, wmatmul_cluster):
 #   - one-level nvfp4 (folded): up to M = 4096 (bf16 x, M = 4096: 2.59 / 2.44 against
 #     2.65 / 2.49; M = 2048: 1.30 / 1.20 against 1.44 / 1.35. f16 x, folded since round 25,
-#     RESULTS.md round 25 B, H200: M = 4096 2.56 / 2.48 against 2.58 / 2.46, equal, and no
+#     RESULTS.md round 25 C, H200: M = 4096 2.56 / 2.48 against 2.58 / 2.46, equal, and no
 #     dequantized copy of the weight; M = 2048 1.26 / 1.22 against 1.37 / 1.31).
 #   - mxfp4: up to M = 4096 (since its decode is one multiply per pair where the block
 #     scales allow, round 10: M = 4096 2.61 / 2.53 against 2.71 / 2.55). With f16 x (the
 #     E2M1 bits placed into f16 take two more operations per pair): up to M = 2048
-#     (RESULTS.md round 25 B, H200: M = 2048 1.33 / 1.27 against 1.35 / 1.29, M = 4096 2.66
+#     (RESULTS.md round 25 C, H200: M = 2048 1.33 / 1.27 against 1.35 / 1.29, M = 4096 2.66
 #     / 2.59 against 2.52 / 2.52).
 #   - int4: up to M = 4096 (RESULTS.md round 22 C: M = 4096 2.81 / 2.78 against 2.87 /
 #     2.80, and no dequantized bf16 copy of the weight; round 10: M = 2048 1.47 / 1.34
@@ -452,7 +452,7 @@ def _wmatmul_transpose(ct, x, codes, scales, zeros, ts, **params):
 #     1.38 / 1.38 against 1.54 / 1.43, M = 4096 2.83 / 2.79 against 2.86 / 2.68).
 #   - int4 decoded otherwise than by its bit path (FUSED_MAX_M_WGMMA_DECODE):
 #     - f16 scales with bf16 x (AWQ's scales in a bf16 model; the split scale, one more
-#       multiply per pair): up to M = 2048 (RESULTS.md round 25 B, H200: M = 1024 0.69 /
+#       multiply per pair): up to M = 2048 (RESULTS.md round 25 C, H200: M = 1024 0.69 /
 #       0.68 against 0.81 / 0.77, M = 2048 1.41 / 1.35 against 1.43 / 1.37, M = 4096 2.82
 #       / 2.78 against 2.71 / 2.61).
 #     - other scale dtypes (the table decode): up to M = 1024 (round 24 E, H100, f16
