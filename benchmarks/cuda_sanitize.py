@@ -2,10 +2,11 @@
 small ragged shapes. Run on a GPU machine:
 
   XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer --tool memcheck \
-      python benchmarks/cuda_sanitize.py [quant] [matmul | matmul8] [bf16]
+      python benchmarks/cuda_sanitize.py [quant] [matmul | matmul8] [bf16] [-v]
 
 (bf16: quantize kernels for bfloat16 inputs only, a shorter run; matmul8: the W4A16 cases
-at M = 1 and 4 only (the 8-row wgmma tile), a shorter run than matmul's M = 1-300.)
+at M = 1 and 4 only (the 8-row wgmma tile), a shorter run than matmul's M = 1-300; -v: print
+each W4A16 case before it runs.)
 
 (the platform allocator gives every buffer its own cudaMalloc, so out-of-bounds accesses
 are not hidden inside XLA's memory pool; set it for racecheck too: without it racecheck
@@ -27,9 +28,18 @@ cases = [("nvfp4", 16, {}), ("nvfp4", 16, {"tensor_scale": "auto"}), ("mxfp4", 3
          ("mxfp6_e2m3", 32, {}), ("mxfp6_e3m2", 32, {"scale_rounding": "rceil"}),
          ("mxfp8_e4m3", 32, {}), ("mxfp8_e5m2", 32, {}), ("nf4", 64, {}), ("nf4", 4096, {}),
          ("bnb_fp4", 1024, {}), ("int4", 128, {}), ("int4", 16, {})]
-parts = sys.argv[1:] or ["quant", "matmul"]
+verbose = "-v" in sys.argv[1:]
+parts = [a for a in sys.argv[1:] if a != "-v"] or ["quant", "matmul"]
 dtypes = (jnp.bfloat16,) if "bf16" in parts else (jnp.float32, jnp.bfloat16, jnp.float16)
 n = 0
+
+
+def progress(case):
+    """-v: name each case before it runs (flushed), so a crash under a sanitizer shows where."""
+    if verbose:
+        print(case, flush=True)
+
+
 for fmt, bs, kw in cases if "quant" in parts else []:
     for dtype in dtypes:
         for rows in (1, 3, 129):
@@ -65,6 +75,7 @@ for fmt, bs, kw in mm_parts:
                 if fill != primitives._GRID_MIN_FILL:  # the grid is chosen at lowering time
                     primitives._GRID_MIN_FILL = fill
                     jax.clear_caches()
+                progress(f"matmul {fmt} bs={bs} {kw} K={k} {dtype.__name__} M={m} fill={fill}")
                 jax.block_until_ready(jf.matmul(jnp.asarray(rng.standard_normal((m, k)), dtype), q))
                 n += 1
             primitives._GRID_MIN_FILL = grid_fill
@@ -80,6 +91,7 @@ for fmt, bs, kw in mm_parts:
         assert q.scale_layout == "tiled"
         for dtype in (jnp.bfloat16, jnp.float16):
             for m in (1, 4) if small else (1, 13, 33, 100, 300):
+                progress(f"prepared {fmt} bs={bs} {kw} K={k} {dtype.__name__} M={m}")
                 jax.block_until_ready(jf.matmul(jnp.asarray(rng.standard_normal((m, k)), dtype), q))
                 n += 1
 print(f"cuda_sanitize: {n} kernel launches checked")
