@@ -6,7 +6,7 @@ small ragged shapes. Run on a GPU machine:
 
 (bf16: quantize kernels for bfloat16 inputs only, a shorter run; matmul8: the W4A16 cases
 at M = 1 and 4 only (the 8-row wgmma tile), a shorter run than matmul's M = 1-300; -v: print
-each W4A16 case before it runs.)
+each case before it runs.)
 
 (the platform allocator gives every buffer its own cudaMalloc, so out-of-bounds accesses
 are not hidden inside XLA's memory pool; set it for racecheck too: without it racecheck
@@ -43,6 +43,7 @@ def progress(case):
 for fmt, bs, kw in cases if "quant" in parts else []:
     for dtype in dtypes:
         for rows in (1, 3, 129):
+            progress(f"quant {fmt} bs={bs} {kw} {dtype.__name__} rows={rows}")
             x = jnp.asarray(rng.standard_normal((rows, 2 * bs)), dtype)
             q = jf.quantize(x, fmt, block_size=bs, **kw)
             y = q.dequantize()
