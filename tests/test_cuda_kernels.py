@@ -162,8 +162,9 @@ def test_cuda_above_2_31_elements():
     rows, k = (1 << 17) + (1 << 6), 1 << 14
     assert rows * k > 2 ** 31
     gpu = _gpu()
-    x = jax.jit(lambda key: jax.random.normal(key, (rows, k), jnp.bfloat16),
-                device=gpu)(jax.random.key(3))
+    # drawn on the GPU (jit follows its committed key): 4 GiB of bf16
+    key = jax.device_put(jax.random.key(3), gpu)
+    x = jax.jit(lambda kk: jax.random.normal(kk, (rows, k), jnp.bfloat16))(key)
     jf.set_backend("kernels")
     try:
         q = jax.jit(lambda v: jf.quantize(v, "nvfp4"))(x)
