@@ -1,5 +1,5 @@
 """Design check (CPU, exact rational arithmetic) for a bit decode of two-level NVFP4 on bf16
-arithmetic, before it is written as a kernel (benchmarks/NOTES.md round 26, "Left" item 1).
+arithmetic, before it is written as a kernel (benchmarks/NOTES.md round 26, "Left" item 2).
 
 Two-level NVFP4 decodes as w = bf16(f32(v * S)) with S = f32(pts * s) (DESIGN.md section 3:
 the two scales' product rounded to float32 first), v an E2M1 value, s the E4M3 block scale
