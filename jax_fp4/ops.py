@@ -386,6 +386,10 @@ def _weight_matmul(x, w: QArray, x_axis, precision, out_dtype):
         x = x.astype(w.dtype)
     x2, rest = _to_rows(x, x_axis)
     bufs, _, k = _qarray_rows(w, keep_tiled=True)
+    # one per-tensor scale for the whole weight: (1,), no per-row copy (the kernel reads it
+    # once; the other paths broadcast it)
+    bufs = (*bufs[:3], jnp.reshape(jnp.asarray(w.tensor_scale, jnp.float32), (1,))
+            if w.tensor_scale is not None else jnp.zeros((1,), jnp.float32))
     if x2.shape[1] != k:
         raise ValueError(f"lhs: contracting dimension has size {x2.shape[1]}, the QArray's "
                          f"blocked axis has size {k}")

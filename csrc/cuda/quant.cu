@@ -902,9 +902,11 @@ ffi::Error TensorScaleImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ff
 }  // namespace jf4
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4QuantizeV1Cuda, jf4::cuda::QuantizeV1Impl,
-                              jf4::cuda::QuantizeBinding());
+                              jf4::cuda::QuantizeBinding(),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4QuantizeV2Cuda, jf4::cuda::QuantizeImpl,
-                              jf4::cuda::QuantizeBinding().Attr<int32_t>("swizzled"));
+                              jf4::cuda::QuantizeBinding().Attr<int32_t>("swizzled"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4DequantizeV1Cuda, jf4::cuda::DequantizeImpl,
                               ffi::Ffi::Bind()
@@ -916,7 +918,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4DequantizeV1Cuda, jf4::cuda::DequantizeImpl,
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int32_t>("fmt")
                                   .Attr<int64_t>("block_size")
-                                  .Attr<int32_t>("two_level"));
+                                  .Attr<int32_t>("two_level"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4FakeQuantizeV1Cuda, jf4::cuda::FakeQuantizeImpl,
                               ffi::Ffi::Bind()
@@ -927,10 +930,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4FakeQuantizeV1Cuda, jf4::cuda::FakeQuantizeI
                                   .Attr<int32_t>("fmt")
                                   .Attr<int64_t>("block_size")
                                   .Attr<int32_t>("rceil")
-                                  .Attr<int32_t>("two_level"));
+                                  .Attr<int32_t>("two_level"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4TensorScaleV1Cuda, jf4::cuda::TensorScaleImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>());
+                                  .Ret<ffi::AnyBuffer>(),
+                              {xla::ffi::Traits::kCmdBufferCompatible});

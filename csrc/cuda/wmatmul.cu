@@ -5,10 +5,11 @@
 // x (M, K) bf16/f16; w (N, K) a 4-bit QArray blocked along K (nvfp4 with or without the
 // per-tensor scale, mxfp4, nf4, bnb_fp4, int4); partial (S, M, N) float32, summed over
 // the S K-splits by the caller (jax_fp4/primitives.py), or x's dtype when S = 1. Each
-// weight element is decoded to the value the reference gives it (float32 value, rounded
-// to x's dtype to nearest even) inside the main loop -- no dequantized weight reaches
-// HBM -- and multiplied on the tensor cores (float32 accumulation). How it is decoded
-// (bit path / table path) is described above decode_word.
+// weight element is decoded inside the main loop -- no dequantized weight reaches HBM --
+// to the reference's value rounded once to x's dtype, except NVFP4's per-tensor scale,
+// which multiplies the float32 accumulator instead (the W4A16 tolerance contract,
+// docs/spec.md), and multiplied on the tensor cores (float32 accumulation). How it is
+// decoded (bit path / table path) is described above decode_word.
 //
 // Tiling. The weight plays the MMA's A operand (16 rows x 16 k per warp, row-major =
 // (N, K) storage) and the activations its B operand, so decode (M = 1) uses the tensor
@@ -67,7 +68,8 @@ struct WParams {
   int bs_shift;            // log2(bs)
   int64_t n_steps;         // ceil(K / step): step = 128 k (staged) or kDirectStepK (direct)
   int64_t steps_per_split;
-  int two_level;
+  int two_level;           // NVFP4 with a per-tensor scale: applied to the accumulator
+  int ts_stride;           // ts holds one scale per weight row (1) or one for all (0)
   int st;                  // INT4 scale storage type
   int out_f32;             // output float32 (else x's dtype: one split only)
   int scale_boxes;         // wgmma kernel: the scales come by TMA with the stages
@@ -78,6 +80,12 @@ struct WParams {
   int tile_zrow;           // zero-point bytes (launch_wgmma; wg_tile_scale_row)
   int cluster;             // wgmma kernel at BN = 256: CTAs per cluster, 1 or 2 (x multicast)
 };
+
+// The decode paths a format has (use_bit_path; described above decode_word).
+template <int FMT>
+constexpr bool kHasBitPath = FMT == kNVFP4 || FMT == kINT4 || FMT == kMXFP4;
+template <int FMT>
+constexpr bool kHasTablePath = FMT != kNVFP4 && FMT != kMXFP4;
 
 // Raw bits of one weight row's K-chunk (32 elements).
 struct Chunk {
@@ -157,14 +165,11 @@ __device__ __forceinline__ uint32_t ld_weight(const void* ptr, bool valid) {
 #undef JF4_LD_WEIGHT
 
 // The block scale in float32, as the reference decodes it (DESIGN.md section 3), for the
-// table path (MXFP4 always takes its bit path, use_bit_path).
+// table path (NVFP4 and MXFP4 always take their bit path, use_bit_path).
 template <int FMT>
-__device__ float scale_value(uint32_t bits, float ts, const WParams& p) {
-  static_assert(FMT != kMXFP4, "MXFP4 decodes by its bit path");
-  if constexpr (FMT == kNVFP4) {
-    const float s = e4m3_decode(bits);
-    return p.two_level ? __fmul_rn(ts, s) : s;
-  } else if constexpr (FMT == kINT4) {
+__device__ float scale_value(uint32_t bits, const WParams& p) {
+  static_assert(kHasTablePath<FMT>, "NVFP4 and MXFP4 decode by their bit path");
+  if constexpr (FMT == kINT4) {
     return scale_from_bits(bits, p.st);
   } else {
     return u2f(bits);
@@ -283,7 +288,7 @@ __device__ __forceinline__ uint32_t hfma2(uint32_t a, uint32_t b, uint32_t c) { 
 // - bit path:   register p = physical (p, p+4), so that one shift and one LOP3 place both
 //               nibbles of a pair (nibble p in bits 4p.., nibble p+4 in bits 4p+16..).
 //
-// Bit path (nvfp4 one level, mxfp4, int4 with scales in x's dtype or f16 scales with bf16
+// Bit path (nvfp4, mxfp4, int4 with scales in x's dtype or f16 scales with bf16
 // x): the element value v and the block scale s are exact in x's dtype (or in factors that
 // are) and v * s is exact in float32, so packed multiplies whose last alone rounds give
 // the reference's float32 product rounded to x's dtype (DESIGN.md section 3, "Dequantize to
@@ -358,12 +363,10 @@ __device__ __forceinline__ void e2m1_bits(uint32_t w, uint32_t p[4]) {
 template <bool BF16>
 constexpr uint32_t kInt4Magic = BF16 ? 0x43004300u : 0x64006400u;  // 128 / 1024
 
-template <int FMT>
-constexpr bool kHasBitPath = FMT == kNVFP4 || FMT == kINT4 || FMT == kMXFP4;
 // The kernels' BITS: 0 the table path, 1 the bit path, kBitsSplit INT4's bit path with the
 // scale split in two bf16 factors (f16 scales, bf16 x).
 constexpr int kBitsSplit = 2;
-// nvfp4 (one level) folds the placement's factor into the scale and the float32
+// nvfp4 (either level) folds the placement's factor into the scale and the float32
 // accumulator, one multiply per pair. bf16 x: the 2^126 as s * 2^117 (<= 448 * 2^117,
 // finite in bf16) and 2^9: the MMA sees w * 2^-9 (exact: |w| >= 2^-10, so w * 2^-9 stays a
 // normal bf16). f16 x: the 2^14 as s * 2^6 (<= 28672, finite in f16) and 2^8: the MMA sees
@@ -397,8 +400,7 @@ struct Dec {
 };
 
 template <int FMT, bool BF16, int BITS>
-__device__ __forceinline__ Dec make_dec(uint32_t sbits, uint32_t zbits, float ts,
-                                        const WParams& p) {
+__device__ __forceinline__ Dec make_dec(uint32_t sbits, uint32_t zbits, const WParams& p) {
   static_assert(!BITS || FMT == kINT4, "make_decs decodes the other bit-path scales itself");
   Dec d;
   if constexpr (BITS == kBitsSplit) {  // INT4, f16 scales, bf16 x: hi + lo (see above)
@@ -415,7 +417,7 @@ __device__ __forceinline__ Dec make_dec(uint32_t sbits, uint32_t zbits, float ts
     d.s2 = (sbits & 0xffffu) * 0x10001u;
     d.z2 = ((kInt4Magic<BF16> & 0xffffu) + zbits) * 0x10001u;  // 128 + z / 1024 + z: exact
   } else {
-    d.s = scale_value<FMT>(sbits, ts, p);
+    d.s = scale_value<FMT>(sbits, p);
     d.z = static_cast<float>(zbits);
   }
   return d;
@@ -436,7 +438,7 @@ __device__ __forceinline__ bool mx_scale_fixup(const Chunk (&c)[2]) {
 
 // Both halves of a chunk.
 template <int FMT, bool BF16, int BITS>
-__device__ __forceinline__ void make_decs(const Chunk& c, float ts, const WParams& p, Dec d[2]) {
+__device__ __forceinline__ void make_decs(const Chunk& c, const WParams& p, Dec d[2]) {
   if constexpr (FMT == kNVFP4 && BITS) {
     float s0, s1;
     e4m3x2_decode(c.s, &s0, &s1);
@@ -472,17 +474,14 @@ __device__ __forceinline__ void make_decs(const Chunk& c, float ts, const WParam
     d[0].s2 = ((e < 128u ? e : 128u) + 126u) * 0x800080u;
     d[0].z2 = e <= 128u ? 0x3f803f80u : e == 255u ? 0x7fc07fc0u : (e - 1u) * 0x800080u;
     d[1] = d[0];
-  } else if constexpr (FMT == kNVFP4) {
-    d[0] = make_dec<FMT, BF16, BITS>(c.s & 0xffu, 0, ts, p);
-    d[1] = make_dec<FMT, BF16, BITS>(c.s >> 8, 0, ts, p);
   } else if constexpr (FMT == kINT4 && BITS) {  // s1, z >> 8 repeat s, z unless bs == 16
-    d[0] = make_dec<FMT, BF16, BITS>(c.s, c.z & 0xffu, ts, p);
-    d[1] = make_dec<FMT, BF16, BITS>(c.s1, c.z >> 8, ts, p);
+    d[0] = make_dec<FMT, BF16, BITS>(c.s, c.z & 0xffu, p);
+    d[1] = make_dec<FMT, BF16, BITS>(c.s1, c.z >> 8, p);
   } else if constexpr (FMT == kINT4) {
-    d[0] = make_dec<FMT, BF16, BITS>(c.s, c.z & 0xffu, ts, p);
-    d[1] = p.bs == 16 ? make_dec<FMT, BF16, BITS>(c.s1, c.z >> 8, ts, p) : d[0];
+    d[0] = make_dec<FMT, BF16, BITS>(c.s, c.z & 0xffu, p);
+    d[1] = p.bs == 16 ? make_dec<FMT, BF16, BITS>(c.s1, c.z >> 8, p) : d[0];
   } else {
-    d[0] = d[1] = make_dec<FMT, BF16, BITS>(c.s, 0, ts, p);
+    d[0] = d[1] = make_dec<FMT, BF16, BITS>(c.s, 0, p);
   }
 }
 
@@ -666,7 +665,9 @@ __device__ __forceinline__ void zero(float* a) {
 }
 
 // The per-tensor scale of each of a lane's rows n0 + 16 rt + 8 h, rt < TILES (1 without
-// one).
+// one). NVFP4's decode leaves it out (every format decodes on its bit path or table
+// without it): the epilogue multiplies the float32 accumulator by it, which the W4A16
+// tolerance contract allows (docs/spec.md) and which keeps the decode one multiply per pair.
 template <int TILES = kRowTiles>
 __device__ __forceinline__ void load_tensor_scales(const float* __restrict__ ts, int64_t n0,
                                                    const WParams& p, float (*tsv)[2]) {
@@ -675,7 +676,7 @@ __device__ __forceinline__ void load_tensor_scales(const float* __restrict__ ts,
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int64_t n = n0 + rt * 16 + h * 8;
-      tsv[rt][h] = p.two_level ? __ldg(ts + (n < p.N ? n : p.N - 1)) : 1.0f;
+      tsv[rt][h] = p.two_level ? __ldg(ts + (p.ts_stride ? (n < p.N ? n : p.N - 1) : 0)) : 1.0f;
     }
 }
 
@@ -699,10 +700,11 @@ __device__ __forceinline__ void store_out4(void* out, int64_t o, float4 v, const
 }
 
 // D fragment: lane (g, t) holds rows (weight n) g / g + 8, columns (activation m) 2t, 2t+1.
+// scale: the decode's folded factor (kAccScale); rs[h]: row g + 8 h's per-tensor scale.
 template <bool BF16, int MT>
 __device__ __forceinline__ void store_tile(void* out, const float (*acc)[4], float scale,
-                                           int64_t n0, int64_t m0, int g, int t,
-                                           const WParams& p) {
+                                           const float* rs, int64_t n0, int64_t m0, int g,
+                                           int t, const WParams& p) {
   const int64_t z_off = static_cast<int64_t>(blockIdx.z) * p.M * p.N;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -713,7 +715,7 @@ __device__ __forceinline__ void store_tile(void* out, const float (*acc)[4], flo
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int64_t m = m0 + 8 * mt + 2 * t + e;
-        if (m < p.M) store_out<BF16>(out, z_off + m * p.N + n, acc[mt][2 * h + e] * scale, p);
+        if (m < p.M) store_out<BF16>(out, z_off + m * p.N + n, acc[mt][2 * h + e] * scale * rs[h], p);
       }
   }
 }
@@ -806,7 +808,7 @@ __global__ void __launch_bounds__(kWarps * 32) wmatmul_kernel(
 #pragma unroll
     for (int rt = 0; rt < kRowTiles; ++rt)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) make_decs<FMT, BF16, BITS>(cur[rt][h], tsv[rt][h], p, d[rt][h]);
+      for (int h = 0; h < 2; ++h) make_decs<FMT, BF16, BITS>(cur[rt][h], p, d[rt][h]);
 
 #pragma unroll
     for (int s2 = 0; s2 < 4; ++s2) {  // physical elements [8 s2, 8 s2 + 8) of the chunk
@@ -825,7 +827,7 @@ __global__ void __launch_bounds__(kWarps * 32) wmatmul_kernel(
 
 #pragma unroll
   for (int rt = 0; rt < kRowTiles; ++rt)
-    store_tile<BF16, MT>(out, acc[rt], kAccScale<FMT, BF16, BITS>, n_warp + rt * 16, m0, g, t, p);
+    store_tile<BF16, MT>(out, acc[rt], kAccScale<FMT, BF16, BITS>, tsv[rt], n_warp + rt * 16, m0, g, t, p);
 }
 
 // Decode kernel (M <= 16): each warp owns kRowTiles 16-row weight tiles (lane (g, t):
@@ -902,7 +904,7 @@ __global__ void __launch_bounds__(kWarps * 32, 4) wmatmul_direct_kernel(
 #pragma unroll
       for (int rt = 0; rt < kRowTiles; ++rt)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) make_decs<FMT, BF16, BITS>(c[rt][h][j], tsv[rt][h], p, d[rt][h]);
+        for (int h = 0; h < 2; ++h) make_decs<FMT, BF16, BITS>(c[rt][h][j], p, d[rt][h]);
 #pragma unroll
       for (int s2 = 0; s2 < 4; ++s2)
 #pragma unroll
@@ -932,7 +934,7 @@ __global__ void __launch_bounds__(kWarps * 32, 4) wmatmul_direct_kernel(
 
 #pragma unroll
   for (int rt = 0; rt < kRowTiles; ++rt)
-    store_tile<BF16, MT>(out, acc[rt], kAccScale<FMT, BF16, BITS>, n_warp + rt * 16, 0, g, t, p);
+    store_tile<BF16, MT>(out, acc[rt], kAccScale<FMT, BF16, BITS>, tsv[rt], n_warp + rt * 16, 0, g, t, p);
 }
 
 // ---- wgmma kernel (sm_90a; on Hopper from M = 1: primitives.wmatmul_tile_m) ----
@@ -1550,7 +1552,7 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
     Dec d[2][2];
     const bool fixup = mx_scale_fixup<FMT, BITS>(cur);
 #pragma unroll
-    for (int h = 0; h < 2; ++h) make_decs<FMT, BF16, BITS>(cur[h], tsv[0][h], p, d[h]);
+    for (int h = 0; h < 2; ++h) make_decs<FMT, BF16, BITS>(cur[h], p, d[h]);
     // the lane's code chunks: rows wrow and wrow + 8, k [32 t, 32 t + 32) (a warp reads 512
     // contiguous bytes: no bank conflicts)
     const uint8_t* wc = wc0 + js * kStage + hs * kWgCodeBytes;
@@ -1646,7 +1648,7 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
     for (int h = 0; h < 2; ++h)
 #pragma unroll
       for (int e = 0; e < 2; ++e)
-        tile[(8 * j + 2 * t + e) * kOutStride + wrow + 8 * h] = acc[4 * j + 2 * h + e] * scale;
+        tile[(8 * j + 2 * t + e) * kOutStride + wrow + 8 * h] = acc[4 * j + 2 * h + e] * scale * tsv[0][h];
   consumer_sync();
   const int64_t z_off = static_cast<int64_t>(blockIdx.z) * p.M * p.N;
   if (p.N % 4 == 0 && (reinterpret_cast<uintptr_t>(out) & 15u) == 0) {
@@ -1684,7 +1686,6 @@ int64_t step_k(int64_t M, int64_t tile_m) {
 template <int FMT, bool BF16>
 int use_bit_path(const WParams& p) {
   if constexpr (!kHasBitPath<FMT>) return 0;
-  if (FMT == kNVFP4) return !p.two_level;
   if (FMT == kINT4) return p.st == (BF16 ? kScaleBF16 : kScaleF16) ? 1 : BF16 && p.st == kScaleF16 ? kBitsSplit : 0;
   return 1;
 }
@@ -1881,8 +1882,8 @@ cudaError_t launch_decode(cudaStream_t stream, const uint16_t* xp, const uint8_t
                           const void* sp, const uint8_t* zp, const float* tp, void* out,
                           const WParams& p, int splits, int64_t tile_m) {
   switch (use_bit_path<FMT, BF16>(p)) {
-    case 0:  // (MXFP4 always has its bit path)
-      if constexpr (FMT != kMXFP4) return launch_kernel<FMT, BF16, 0>(stream, xp, cp, sp, zp, tp, out, p, splits, tile_m);
+    case 0:  // (NVFP4 and MXFP4 always take their bit path)
+      if constexpr (kHasTablePath<FMT>) return launch_kernel<FMT, BF16, 0>(stream, xp, cp, sp, zp, tp, out, p, splits, tile_m);
       break;
     case 1:
       if constexpr (kHasBitPath<FMT>) return launch_kernel<FMT, BF16, 1>(stream, xp, cp, sp, zp, tp, out, p, splits, tile_m);
@@ -1980,7 +1981,11 @@ ffi::Error WMatmulImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer cod
   JF4_RETURN_IF_ERROR(validate_problem(where, fmt, block_size, 0, two_level,
                                        codes.dimensions()[0], K, &p));
   JF4_RETURN_IF_ERROR(validate_quantized(where, &p, codes, scales, zeros));
-  JF4_RETURN_IF_ERROR(validate_ts(where, p, ts));
+  // the per-tensor scale: one per weight row, or one for the whole weight
+  JF4_RETURN_IF_ERROR(check_dtype(where, "ts", ts.element_type(), {ffi::DataType::F32}));
+  if (ts.dimensions().size() != 1 || (ts.dimensions()[0] != p.R && ts.dimensions()[0] != 1))
+    return invalid(where, "buffer `ts` must be 1-D of N = " + std::to_string(p.R) +
+                              " or 1 elements, got shape " + dims_str(ts.dimensions()));
   if ((fmt == kNVFP4 && block_size != 16) || (fmt == kMXFP4 && block_size != 32))
     return invalid(where, "attribute `block_size` = " + std::to_string(block_size) +
                               ": the fused kernel decodes nvfp4 in blocks of 16 and mxfp4 in "
@@ -2033,6 +2038,7 @@ ffi::Error WMatmulImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer cod
   w.n_steps = n_steps;
   w.steps_per_split = (n_steps + splits - 1) / splits;
   w.two_level = p.two_level;
+  w.ts_stride = ts.dimensions()[0] == p.R && p.R > 1 ? 1 : 0;
   w.st = p.scale_type;
   w.out_f32 = out->element_type() == ffi::DataType::F32;
   w.scale_boxes = 0;  // launch_wgmma decides
@@ -2069,7 +2075,7 @@ auto WMatmulBinding() {
       .Arg<ffi::AnyBuffer>()  // codes (N, K/2) u8 (tiled: the prepared layout)
       .Arg<ffi::AnyBuffer>()  // scales (N, K/bs) (tiled: the prepared layout)
       .Arg<ffi::AnyBuffer>()  // zeros (N, K/bs) u8 or (0,)
-      .Arg<ffi::AnyBuffer>()  // ts (N,) f32
+      .Arg<ffi::AnyBuffer>()  // ts (N,) or (1,) f32
       .Ret<ffi::AnyBuffer>()  // partial sums (S, M, N) f32, or x's dtype when S = 1
       .Attr<int32_t>("fmt")
       .Attr<int64_t>("block_size")
@@ -2083,8 +2089,11 @@ auto WMatmulBinding() {
 }  // namespace jf4
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4WMatmulV1Cuda, jf4::cuda::WMatmulV1Impl,
-                              jf4::cuda::WMatmulBinding());
+                              jf4::cuda::WMatmulBinding(),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4WMatmulV2Cuda, jf4::cuda::WMatmulV2Impl,
-                              jf4::cuda::WMatmulBinding().Attr<int64_t>("cluster"));
+                              jf4::cuda::WMatmulBinding().Attr<int64_t>("cluster"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4WMatmulV3Cuda, jf4::cuda::WMatmulImpl,
-                              jf4::cuda::WMatmulBinding().Attr<int64_t>("cluster").Attr<int32_t>("tiled"));
+                              jf4::cuda::WMatmulBinding().Attr<int64_t>("cluster").Attr<int32_t>("tiled"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
