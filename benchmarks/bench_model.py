@@ -92,8 +92,9 @@ def init_params(cfg: Config, key):
 
 
 def init_cache(cfg: Config, b, key):
-    """Per layer (k, v): (B, context, kv_heads, head_dim) bf16."""
-    shape = (cfg.layers, 2, b, cfg.context, cfg.kv_heads, cfg.head_dim)
+    """Per layer (k, v): (B, kv_heads, context, head_dim) bf16 (head-major, so that the
+    attention's contractions read it in place)."""
+    shape = (cfg.layers, 2, b, cfg.kv_heads, cfg.context, cfg.head_dim)
     return jax.random.normal(key, shape, jnp.bfloat16)
 
 
@@ -119,26 +120,31 @@ def rope(x, pos, theta=500000.0):
 
 
 def attention(cfg: Config, q, k_new, v_new, k_cache, v_cache):
-    """GQA over the cache plus the new tokens (causal among the new ones).
-    q (B, T, H, D); k_new, v_new (B, T, G, D); caches (B, S, G, D)."""
+    """GQA over the cache and the new tokens (causal among the new ones), the cache read
+    in place (no concatenated copy). q (B, T, H, D); k_new, v_new (B, T, G, D); caches
+    (B, G, S, D). Returns (B, T, H * D)."""
     b, t = q.shape[:2]
     g, r = cfg.kv_heads, cfg.heads // cfg.kv_heads
-    k = jnp.concatenate([k_cache, k_new], axis=1)
-    v = jnp.concatenate([v_cache, v_new], axis=1)
     q = q.reshape(b, t, g, r, cfg.head_dim)
-    s = jnp.einsum("btgrd,bsgd->bgrts", q, k, preferred_element_type=jnp.float32)
-    s = s / np.sqrt(cfg.head_dim)
-    ctx_len = k_cache.shape[1]
-    allowed = jnp.arange(ctx_len + t)[None, :] <= ctx_len + jnp.arange(t)[:, None]
-    s = jnp.where(allowed, s, -jnp.inf)
-    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
-    o = jnp.einsum("bgrts,bsgd->btgrd", p, v, preferred_element_type=jnp.float32)
+    scale = 1.0 / np.sqrt(cfg.head_dim)
+    # float32 scores and sums (XLA's CPU dot has no bf16 x bf16 -> float32: there, bf16)
+    acc = None if jax.default_backend() == "cpu" else jnp.float32
+    s_cache = jnp.einsum("btgrd,bgsd->bgrts", q, k_cache, preferred_element_type=acc)
+    s_new = jnp.einsum("btgrd,bugd->bgrtu", q, k_new, preferred_element_type=acc)
+    causal = jnp.arange(t)[None, :] <= jnp.arange(t)[:, None]
+    s = jnp.concatenate([s_cache, jnp.where(causal, s_new, -jnp.inf)], axis=-1).astype(jnp.float32) * scale
+    p = jax.nn.softmax(s, axis=-1).astype(q.dtype)
+    ctx_len = k_cache.shape[2]
+    o = (jnp.einsum("bgrts,bgsd->btgrd", p[..., :ctx_len], v_cache, preferred_element_type=acc)
+         + jnp.einsum("bgrtu,bugd->btgrd", p[..., ctx_len:], v_new, preferred_element_type=acc))
     return o.astype(q.dtype).reshape(b, t, cfg.heads * cfg.head_dim)
 
 
 def step(cfg: Config, params, cache, x):
-    """One decoder step: x (B, T, hidden) bf16 -> (B, T, hidden)."""
-    b, t, _ = x.shape
+    """One decoder step: x (B, T, hidden) bf16 -> (B, T, hidden). The projections see the
+    activations as (M = B * T, hidden) rows, as a serving engine batches them."""
+    b, t, hidden = x.shape
+    x = x.reshape(b * t, hidden)
     pos = cfg.context + jnp.arange(t, dtype=jnp.float32)
     for i, layer in enumerate(params["layers"]):
         h = rms_norm(x, layer["attn_norm"])
@@ -146,13 +152,13 @@ def step(cfg: Config, params, cache, x):
         k = dense(h, layer["wk"]["kernel"]).reshape(b, t, cfg.kv_heads, cfg.head_dim)
         v = dense(h, layer["wv"]["kernel"]).reshape(b, t, cfg.kv_heads, cfg.head_dim)
         o = attention(cfg, rope(q, pos), rope(k, pos), v, cache[i, 0], cache[i, 1])
-        x = x + dense(o, layer["wo"]["kernel"])
+        x = x + dense(o.reshape(b * t, -1), layer["wo"]["kernel"])
         h = rms_norm(x, layer["mlp_norm"])
         gate = dense(h, layer["w_gate"]["kernel"])
         up = dense(h, layer["w_up"]["kernel"])
         x = x + dense((jax.nn.silu(gate.astype(jnp.float32)) * up).astype(h.dtype),
                       layer["w_down"]["kernel"])
-    return x
+    return x.reshape(b, t, hidden)
 
 
 def quantized(params, fmt):
@@ -185,7 +191,7 @@ def tp_shardings(params, cache, mesh):
 
     params = jax.tree_util.tree_map_with_path(place, params,
                                               is_leaf=lambda v: isinstance(v, jf.QArray))
-    cache = jax.device_put(cache, NamedSharding(mesh, P(None, None, None, None, "tp", None)))
+    cache = jax.device_put(cache, NamedSharding(mesh, P(None, None, None, "tp", None, None)))
     return params, cache
 
 
@@ -246,7 +252,8 @@ def run(args):
                 p, c = tp_shardings(p, cache, mesh)
             fargs = (p, c, x)
             wall = wall_times(fn, fargs, args.iters)
-            ksum = float("nan") if args.no_kernel_sum else kernel_sum(fn, fargs)
+            ksum = (float("nan") if args.no_kernel_sum or jax.default_backend() == "cpu"
+                    else kernel_sum(fn, fargs))
             if fmt == "bf16":
                 base = (wall, ksum)
             coll = collectives(fn, fargs) if mesh is not None else {}
