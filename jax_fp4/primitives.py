@@ -485,6 +485,9 @@ FUSED_MAX_M_WGMMA_DECODE = {("mxfp4", "bits", "float16"): 2048,
 # 3.08 / 2.93 (bf16 2.47 / 2.52); nf4 M = 4096 2.85 / 2.90 against 3.10 / 2.93.
 FUSED_MAX_M_WGMMA_TILED = float("inf")
 _FUSED_TARGET = "jax_fp4_wmatmul_v3"
+# The most K-splits the wgmma kernel sums in one cluster (csrc/cuda/wmatmul.cu,
+# kWgMaxClusterSplits: the portable cluster size); more take XLA's sum of the partials.
+_CLUSTER_MAX_SPLITS = 8
 # (rows per CTA, k per super-step, resident CTAs per SM, fewest super-steps per split) of
 # the direct kernel (M <= 16), the staged kernel and the wgmma kernel by tile_m
 # (csrc/cuda/wmatmul.cu). The wgmma kernel splits K into runs of >= 12 steps: a sweep (S
@@ -804,8 +807,9 @@ def wmatmul_head_rows(m, n, k, tile_m, sms=None):
 
 def _wmatmul_fused(x, codes, scales, zeros, ts, *, fmt, block_size, two_level, out_dtype,
                    precision, tiled, impl, gpu=None):
-    """The fused kernel: one split writes the output in x's dtype (or float32) itself; K
-    splits leave float32 partial sums that XLA adds and casts. A ragged last 256-row tile
+    """The fused kernel: one split, or up to _CLUSTER_MAX_SPLITS K-splits summed in the
+    wgmma kernel (tiles up to 128 rows), write the output in x's dtype (or float32)
+    themselves; otherwise the K-splits leave float32 partial sums that XLA adds and casts. A ragged last 256-row tile
     becomes a second launch (wmatmul_head_rows). A weight in the prepared layout goes to
     the wgmma kernel as it is (attribute `tiled`), to the mma.sync kernels linear."""
     m, k = x.shape
@@ -821,15 +825,21 @@ def _wmatmul_fused(x, codes, scales, zeros, ts, *, fmt, block_size, two_level, o
                                  out_dtype=out_dtype, precision=precision, tiled=tiled,
                                  impl=impl, gpu=gpu)
         return jnp.concatenate([part(x[:head]), part(x[head:])], axis=0)
-    final = splits == 1 and np.dtype(out_dtype) in (np.dtype(x.dtype), np.dtype(np.float32))
+    # the kernel sums the K-splits itself (one cluster per tile, csrc/cuda/wmatmul.cu
+    # wg_reduce_splits) where its tile allows: one launch, no partial sums in HBM
+    cluster = wmatmul_cluster(fmt, m, tile_m, tiled)
+    reduce = 1 < splits <= _CLUSTER_MAX_SPLITS and 0 < tile_m <= 128 and cluster == 1
+    final = ((splits == 1 or reduce)
+             and np.dtype(out_dtype) in (np.dtype(x.dtype), np.dtype(np.float32)))
     if tile_m:
         x = wmatmul_x_layout(x, wmatmul_decode(fmt, x.dtype, two_level, scales.dtype) != "table", tile_m)
     part = jax.ffi.ffi_call(
         _FUSED_TARGET,
-        jax.ShapeDtypeStruct((splits, m, codes.shape[0]), out_dtype if final else jnp.float32))(
+        jax.ShapeDtypeStruct((1 if reduce else splits, m, codes.shape[0]),
+                             out_dtype if final else jnp.float32))(
         x, codes, scales, zeros, ts, **_attrs(fmt, block_size, two_level=two_level),
-        splits=np.int64(splits), tile_m=np.int64(tile_m),
-        cluster=np.int64(wmatmul_cluster(fmt, m, tile_m, tiled)), tiled=np.int32(bool(tiled)))
+        splits=np.int64(splits), tile_m=np.int64(tile_m), cluster=np.int64(cluster),
+        tiled=np.int32(bool(tiled)))
     return part[0] if final else part.sum(0).astype(out_dtype)
 
 

@@ -79,6 +79,8 @@ struct WParams {
   int tile_srow;           // prepared layout: scale bytes per row and 128-k step, and INT4's
   int tile_zrow;           // zero-point bytes (launch_wgmma; wg_tile_scale_row)
   int cluster;             // wgmma kernel at BN = 256: CTAs per cluster, 1 or 2 (x multicast)
+  int split_reduce;        // wgmma kernel: the K-splits of a tile form one cluster along z and
+                           // sum their partials in it (launch_wgmma); else one output per split
 };
 
 // The decode paths a format has (use_bit_path; described above decode_word).
@@ -1253,6 +1255,59 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
 
 // TILED: the weight in the prepared layout (a second instance: with the layout a runtime
 // flag, the linear layout's step loop grew and ran 1-4% slower on the harness)
+// The most K-splits summed in one cluster: the portable cluster size.
+constexpr int kWgMaxClusterSplits = 8;
+
+// The K-splits of one output tile run as one cluster along grid z (launch_wgmma: cluster
+// dims (1, 1, splits), splits <= 8, never with x multicast), each CTA's float32 partial in
+// its shared memory `tile` (kOutStride floats per activation row). After a cluster barrier
+// CTA r sums every split's value of its share of the tile's outputs, in split order (the
+// result does not depend on scheduling), and stores them; a second barrier keeps every
+// CTA's shared memory alive until the others have read it. One launch, no workspace and
+// no partial sums in HBM. Only the consumer threads arrive: the producer warpgroup has
+// exited, and barrier.cluster waits for the non-exited threads (PTX ISA, barrier.cluster).
+template <bool BF16, int BN>
+__device__ __forceinline__ void wg_reduce_splits(const float* tile, void* out, int m0,
+                                                 int64_t n_cta, int tid, const WParams& p) {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+  uint32_t rank, nranks;
+  asm("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
+  asm("mov.u32 %0, %%cluster_nctarank;\n" : "=r"(nranks));
+  const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(tile));
+  uint32_t peer[kWgMaxClusterSplits];
+#pragma unroll
+  for (int q = 0; q < kWgMaxClusterSplits; ++q)
+    if (q < static_cast<int>(nranks))
+      asm("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(peer[q]) : "r"(base), "r"(q));
+  const bool vec = p.N % 4 == 0 && (reinterpret_cast<uintptr_t>(out) & 15u) == 0;
+  const int per = vec ? 4 : 1;  // outputs per thread and store, as the plain epilogue
+  for (int idx = tid + static_cast<int>(rank) * kWgThreads; idx < BN * kWgRows / per;
+       idx += static_cast<int>(nranks) * kWgThreads) {
+    const int m = idx / (kWgRows / per), n = per * (idx % (kWgRows / per));
+    if (m0 + m >= p.M || n_cta + n >= p.N) continue;
+    const uint32_t off = 4u * static_cast<uint32_t>(m * kOutStride + n);
+    float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+    for (int q = 0; q < kWgMaxClusterSplits; ++q) {
+      if (q >= static_cast<int>(nranks)) break;
+      if (vec) {
+        float4 w;
+        asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                     : "=f"(w.x), "=f"(w.y), "=f"(w.z), "=f"(w.w) : "r"(peer[q] + off));
+        v.x += w.x, v.y += w.y, v.z += w.z, v.w += w.w;
+      } else {
+        float w;
+        asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(w) : "r"(peer[q] + off));
+        v.x += w;
+      }
+    }
+    const int64_t o = (m0 + m) * p.N + n_cta + n;
+    if (vec) store_out4<BF16>(out, o, v, p);
+    else store_out<BF16>(out, o, v.x, p);
+  }
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+
 template <int FMT, bool BF16, int BITS, int BN, bool TILED>
 __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma_kernel(
     const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap w_map,
@@ -1650,6 +1705,10 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
       for (int e = 0; e < 2; ++e)
         tile[(8 * j + 2 * t + e) * kOutStride + wrow + 8 * h] = acc[4 * j + 2 * h + e] * scale * tsv[0][h];
   consumer_sync();
+  if (p.split_reduce) {  // the cluster's K-splits sum their tiles (wg_reduce_splits)
+    wg_reduce_splits<BF16, BN>(tile, out, m0, n_cta, tid, p);
+    return;
+  }
   const int64_t z_off = static_cast<int64_t>(blockIdx.z) * p.M * p.N;
   if (p.N % 4 == 0 && (reinterpret_cast<uintptr_t>(out) & 15u) == 0) {
     // four outputs per lane and store: a warp reads 512 contiguous bytes of a tile row
@@ -1837,9 +1896,10 @@ cudaError_t launch_wgmma(cudaStream_t stream, const uint16_t* xp, const uint8_t*
   cudaLaunchAttribute cluster;
   cluster.id = cudaLaunchAttributeClusterDimension;
   cluster.val.clusterDim.x = cluster_ctas;
-  cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = p.split_reduce ? splits : 1;  // the K-splits of a tile (wg_reduce_splits)
   cfg.attrs = &cluster;
-  cfg.numAttrs = cluster_ctas > 1 ? 1 : 0;
+  cfg.numAttrs = cluster_ctas > 1 || p.split_reduce ? 1 : 0;
   return cudaLaunchKernelEx(&cfg, kernel, x_map, w_map, s_map, z_map, cp, sp, zp, tp, out, q);
 }
 
@@ -2013,12 +2073,22 @@ ffi::Error WMatmulImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer cod
     return invalid(where, "attribute `splits` = " + std::to_string(splits) +
                               " must be in [1, min(65535, ceil(K / " + std::to_string(step) +
                               "))]");
-  if (splits == 1)
+  // out (1, M, N) with splits > 1: the wgmma kernel sums the K-splits of a tile in their
+  // cluster (wg_reduce_splits); else (splits, M, N), one partial per split
+  const bool split_reduce = splits > 1 && out->dimensions().size() == 3 && out->dimensions()[0] == 1;
+  if (split_reduce && (tile_m == 0 || tile_m > 128 || splits > kWgMaxClusterSplits || cluster != 1))
+    return invalid(where, "result `out` of shape (1, M, N) with `splits` = " + std::to_string(splits) +
+                              " (the K-splits summed in the kernel) needs the wgmma kernel with "
+                              "tile_m <= 128, splits <= " + std::to_string(kWgMaxClusterSplits) +
+                              " and cluster = 1, got tile_m = " + std::to_string(tile_m) +
+                              ", cluster = " + std::to_string(cluster));
+  if (splits == 1 || split_reduce)
     JF4_RETURN_IF_ERROR(check_dtype(where, "out", out->element_type(),
                                     {ffi::DataType::F32, x.element_type()}));
   else
     JF4_RETURN_IF_ERROR(check_dtype(where, "out", out->element_type(), {ffi::DataType::F32}));
-  JF4_RETURN_IF_ERROR(check_shape(where, "out", out->dimensions(), {splits, M, p.R}));
+  JF4_RETURN_IF_ERROR(check_shape(where, "out", out->dimensions(),
+                                  {split_reduce ? 1 : splits, M, p.R}));
   if (M == 0 || p.R == 0) return ffi::Error::Success();
   if (K == 0) {
     const cudaError_t e = cudaMemsetAsync(out->untyped_data(), 0, out->size_bytes(), stream);
@@ -2045,6 +2115,7 @@ ffi::Error WMatmulImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer cod
   w.stage_codes = 0;  // launch_wgmma decides
   w.tiled = tiled;
   w.cluster = static_cast<int>(cluster);
+  w.split_reduce = split_reduce ? 1 : 0;
   void* o = out->untyped_data();
   return x.element_type() == ffi::DataType::BF16
              ? launch<true>(fmt, stream, x, codes, scales, zeros, ts, o, w, static_cast<int>(splits), tile_m)
@@ -2076,7 +2147,8 @@ auto WMatmulBinding() {
       .Arg<ffi::AnyBuffer>()  // scales (N, K/bs) (tiled: the prepared layout)
       .Arg<ffi::AnyBuffer>()  // zeros (N, K/bs) u8 or (0,)
       .Arg<ffi::AnyBuffer>()  // ts (N,) or (1,) f32
-      .Ret<ffi::AnyBuffer>()  // partial sums (S, M, N) f32, or x's dtype when S = 1
+      .Ret<ffi::AnyBuffer>()  // partial sums (S, M, N) f32, or x's dtype when S = 1; or the
+                              // sum (1, M, N) in f32 / x's dtype (the kernel sums S > 1 splits)
       .Attr<int32_t>("fmt")
       .Attr<int64_t>("block_size")
       .Attr<int32_t>("two_level")
