@@ -1,6 +1,6 @@
 """Device time of W4A16 matmul and block-scaled matmul on the GPU vs bf16 ``jnp.dot``.
 
-Method (DESIGN.md section 7): one jitted function runs the op on R distinct weights
+Method (docs/benchmarks.md): one jitted function runs the op on R distinct weights
 (together larger than L2); its GPU time (the kernels' durations in the JAX profiler's
 device trace over 5 calls, bench_quant.device_time) / R; in the same run the baselines:
 bf16 ``jnp.dot`` on bf16 weights, the jitted jnp reference (dequantize + dot), the

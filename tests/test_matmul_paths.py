@@ -92,7 +92,7 @@ def test_wmatmul_tile_rule():
         want = [1, 1, 1 if fmt in ("nf4", "bnb_fp4") else 2]  # the table decode: never
         assert [primitives.wmatmul_cluster(fmt, m, t) for m, t in
                 ((4096, 128), (129, 256), (4096, 256))] == want, fmt
-        # a prepared weight: never (faster without, NOTES.md round 19)
+        # a prepared weight: never (faster without, benchmarks/log/NOTES.md round 19)
         assert primitives.wmatmul_cluster(fmt, 4096, 256, tiled=True) == 1, fmt
 
 
