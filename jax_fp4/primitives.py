@@ -3,7 +3,7 @@
 Every primitive works on the canonical 2-D view (csrc/README.md): rows x K with the
 blocked axis last; :mod:`jax_fp4.ops` moves axes and reshapes around them.
 
-Lowering (DESIGN.md section 6): on CPU our C++ FFI targets, on CUDA our CUDA targets where
+Lowering (docs/spec.md section 6): on CPU our C++ FFI targets, on CUDA our CUDA targets where
 the extension has one for the op, everywhere else (and whenever the backend is
 "reference") ``mlir.lower_fun`` of :mod:`jax_fp4.reference`. The backend choice is a
 primitive parameter, so ``jit`` caches a separate executable per backend.
@@ -675,7 +675,7 @@ def wmatmul_x_layout(x, bit_path, tile_m=1):
     (csrc/cuda/wmatmul.cu, "wgmma kernel"); M' = M rounded up to a multiple of `tile_m`
     with zero rows, so that no activation box of the tensor memory accelerator reaches past
     x's rows (boxes partly out of bounds made the kernel 10-39% slower at tile_m >= 64:
-    H100, nvfp4 8192 x 28672, M = 129: 277 -> 173 us; benchmarks/NOTES.md round 7).
+    H100, nvfp4 8192 x 28672, M = 129: 277 -> 173 us; benchmarks/log/NOTES.md round 7).
     Block position 32 s2 + 16 hh + 8 sec + 2 tt + e holds element 32 tt + 8 s2 + 4 e +
     2 hh + sec (bit path: a register pairs elements p, p + 4 of a code word) or 32 tt +
     8 s2 + 4 hh + 2 sec + e (table path: elements 2 i, 2 i + 1); tt is the lane's k
@@ -751,7 +751,7 @@ def wgmma_max_m(fmt, folded=False, tiled=False, decode="bits", x_dtype=jnp.bfloa
 # share x's tile, each copying half of it into both (TMA multicast): half the L2 reads of
 # x, at the cost of the pair waiting for each other every step. From _MULTICAST_MIN_M
 # rows of x, where it was faster (harness, H100, 8192 x 28672 / 28672 x 8192, 1 CTA vs 2
-# per cluster, us; benchmarks/NOTES.md round 6):
+# per cluster, us; benchmarks/log/NOTES.md round 6):
 # - mxfp4: M = 512 395 / 335 -> 387 / 315, M = 1024 762 / 743 -> 672 / 613, M = 2048
 #   1629 / 1590 -> 1355 / 1208; int4: M = 512 399 / 342 -> 399 / 332, M = 1024 765 / 731
 #   -> 697 / 644, M = 2048 1608 / 1543 -> 1408 / 1263.
@@ -763,7 +763,7 @@ def wgmma_max_m(fmt, folded=False, tiled=False, decode="bits", x_dtype=jnp.bfloa
 _MULTICAST_MIN_M = {"nvfp4": 2048, "mxfp4": 512, "int4": 512, "nf4": None, "bnb_fp4": None}
 # A prepared weight (one 1-D bulk copy per stage for its codes, scales and zero points)
 # runs faster without: harness, H100, 8192 x 28672 / 28672 x 8192, 1 CTA vs 2 per
-# cluster, us (benchmarks/NOTES.md round 19): M = 1024 int4 574 / 549 vs 593 / 579, mxfp4
+# cluster, us (benchmarks/log/NOTES.md round 19): M = 1024 int4 574 / 549 vs 593 / 579, mxfp4
 # 563 / 536 vs 582 / 568, nvfp4 565 / 542 vs 594 / 578, nf4 639 / 615 vs 638 / 608; M =
 # 4096 int4 2344 / 2265 vs 2370 / 2294, mxfp4 2286 / 2228 vs 2309 / 2247, nvfp4 2310 /
 # 2252 vs 2356 / 2296, nf4 2568 / 2499 vs 2562 / 2500. Through JAX (trained weights, at the

@@ -128,7 +128,7 @@ __device__ float code_value(uint32_t c) {
 // ask L2 to fetch the whole 128-byte line (PTX .L2::128B prefetch size): the wgmma kernel
 // reads 64 bytes of a row per step, and the line brings the next step's half with it
 // (nvfp4 8192 x 28672, M = 16: 83 -> 73 us; the direct kernel, which reads whole lines,
-// and the scale loads did not change; benchmarks/NOTES.md).
+// and the scale loads did not change; benchmarks/log/NOTES.md).
 template <bool CHECK>  // CHECK = false: the caller knows the load is in bounds
 __device__ __forceinline__ uint4 ld_weight16(const void* ptr, bool valid) {
   uint4 v;
@@ -166,7 +166,7 @@ __device__ __forceinline__ uint32_t ld_weight(const void* ptr, bool valid) {
 }
 #undef JF4_LD_WEIGHT
 
-// The block scale in float32, as the reference decodes it (DESIGN.md section 3), for the
+// The block scale in float32, as the reference decodes it (docs/spec.md section 3), for the
 // table path (NVFP4 and MXFP4 always take their bit path, use_bit_path).
 template <int FMT>
 __device__ float scale_value(uint32_t bits, const WParams& p) {
@@ -293,7 +293,7 @@ __device__ __forceinline__ uint32_t hfma2(uint32_t a, uint32_t b, uint32_t c) { 
 // Bit path (nvfp4, mxfp4, int4 with scales in x's dtype or f16 scales with bf16
 // x): the element value v and the block scale s are exact in x's dtype (or in factors that
 // are) and v * s is exact in float32, so packed multiplies whose last alone rounds give
-// the reference's float32 product rounded to x's dtype (DESIGN.md section 3, "Dequantize to
+// the reference's float32 product rounded to x's dtype (docs/spec.md section 3, "Dequantize to
 // bf16/f16").
 // E2M1: magnitude bits (e1 e0 m) go to the dtype's lowest exponent bits and top mantissa
 // bit (bf16 bits 8:6, f16 bits 11:9) and the sign to bit 15: those bits are the value
@@ -947,7 +947,7 @@ __global__ void __launch_bounds__(kWarps * 32, 4) wmatmul_direct_kernel(
 // wg: rows 64 wg + 16 warp + {g, g + 8}, lane t owning k [32 t, 32 t + 32) of each per
 // 128-k step, as in the staged kernel) and BN activation rows; per 128-k step each
 // warpgroup issues 8 wgmma m64nBNk16, BN = 8 .. 256 (the caller's tile_m: 8 for M <= 8,
-// where n8 against n16 was 1-6% faster on the H100, benchmarks/NOTES.md round 11). The
+// where n8 against n16 was 1-6% faster on the H100, benchmarks/log/NOTES.md round 11). The
 // MMA sums over k, so the activations must sit in shared memory in the lane's k order:
 // the caller passes x pre-permuted within each 128-k block (jax_fp4/primitives.py,
 // wmatmul_x_layout), so that plain tile copies do.
@@ -958,7 +958,7 @@ __global__ void __launch_bounds__(kWarps * 32, 4) wmatmul_direct_kernel(
 // behind it, completing on the stage's `full` mbarrier; wg_stages<FMT, BITS, BN> stages. The copies
 // carry L2 hints: the codes, read once, are evicted first, the activations, which every
 // CTA re-reads, last (without them the codes pushed x out of L2 and the kernel read 31%
-// more DRAM bytes than the weight; benchmarks/NOTES.md, round 3). A
+// more DRAM bytes than the weight; benchmarks/log/NOTES.md, round 3). A
 // warpgroup keeps one wgmma group in flight across steps, so the stage of step s - 1
 // may still be read during step s. Once a warp's first wgmma group of step s is issued
 // and the group before it done, the warp is done with step s - 1 and arrives on that
@@ -976,7 +976,7 @@ __global__ void __launch_bounds__(kWarps * 32, 4) wmatmul_direct_kernel(
 //    last copy, and the consumers' epilogue synchronises on named barrier 1. Against a
 //    CTA barrier per step with only stages - 2 = 1 step of copies ahead (three stages of
 //    72 KB fill the SM), M = 1024 on 8192 x 28672: nvfp4 645 -> 602, mxfp4 890 -> 733,
-//    int4 890 -> 767 us (benchmarks/NOTES.md, round 5).
+//    int4 890 -> 767 us (benchmarks/log/NOTES.md, round 5).
 //    Where the caller asks (attribute `cluster` = 2, primitives.wmatmul_cluster), the
 //    BN = 256 kernel runs in clusters of two CTAs on adjacent 128-row weight tiles with
 //    the same activation tile: each producer copies one 64-k box of it into both CTAs'
@@ -984,11 +984,11 @@ __global__ void __launch_bounds__(kWarps * 32, 4) wmatmul_direct_kernel(
 //    only once the consumers of both CTAs released it: each producer, after its own
 //    `empty` barrier, arrives on its own and the other CTA's `pair` barrier and waits on
 //    its own. (M = 1024, 8192 x 28672: mxfp4 762 -> 672, int4 765 -> 697 us; nvfp4 601
-//    -> 627, faster only from M = 2048; benchmarks/NOTES.md, round 6.)
+//    -> 627, faster only from M = 2048; benchmarks/log/NOTES.md, round 6.)
 // Each lane reads its two 16-byte code chunks of a step from the stage (a warp reads 512
 // contiguous bytes). (Against codes loaded by the lanes into registers: mxfp4, nf4, int4
 // 2-9% faster at M = 8..1024, nvfp4 within 2% at M <= 64 and 2-3% slower at M >= 256;
-// benchmarks/NOTES.md, round 3.) The block scales (and INT4 zero points) come one of two
+// benchmarks/log/NOTES.md, round 3.) The block scales (and INT4 zero points) come one of two
 // ways: as scale boxes in the stage (wg_boxes<FMT, BITS, BN> and launch_wgmma's checks on
 // the scale rows), one more tensor copy of the 128 rows x 16 aligned bytes that hold the
 // step's blocks, read by the lanes from shared memory; or loaded by the lanes from global
@@ -1023,7 +1023,7 @@ __host__ __device__ constexpr bool wg_can_multicast() { return wg_producer<BN>()
 //   3 stages. Harness, H100, nf4 prepared, 8192 x 28672 / 28672 x 8192, us, before -> now
 //   (16 copies with a three-op address at BN <= 16, the lane table at 128): M = 1 72.9 /
 //   64.6 -> 61.3 / 56.0, M = 16 78.9 / 69.4 -> 64.0 / 57.9, M = 128 130.7 -> 119.0
-//   (benchmarks/NOTES.md round 18).
+//   (benchmarks/log/NOTES.md round 18).
 // - BN = 32, 64: 16 pair-table copies (32 KB), where 64 KB would cost a CTA per SM or
 //   (BN = 32 with 2 stages) 10% (H200, M = 32: 73.7 -> 80.7 us); 16 copies took M = 16 126
 //   -> 82 us, M = 32 131 -> 87 against 4 copies (round 6), M = 64 141 -> 94 (round 7).
@@ -1050,7 +1050,7 @@ __host__ __device__ constexpr int wg_words() { return BN >= 256 || (!BITS && FMT
 // prepared M = 256 175.7-177.5 -> 172.5-174.1, M = 1024 616.2-617.9 -> 607.7-609.7; H200
 // alike (M = 4096 2468-2499 -> 2436-2440). At BN = 16-128 1-5% slower with two words (M =
 // 16 63.3 / 57.5 -> 66.7 / 59.9), up to 27% with one; loading the next step's first group
-// during the step before too, 3-19% slower (benchmarks/NOTES.md round 22).
+// during the step before too, 3-19% slower (benchmarks/log/NOTES.md round 22).
 template <int FMT, int BN>
 __host__ __device__ constexpr bool wg_table_ahead() { return BN == 256 || (BN == 8 && wg_words<FMT, false, BN>() == 1); }
 // 128-k steps per stage: 2 for the bit path at BN <= 64, for the prepared bit path at
@@ -1059,7 +1059,7 @@ __host__ __device__ constexpr bool wg_table_ahead() { return BN == 256 || (BN ==
 // - BN = 8 to 32, 3 stages of two (6 steps ahead). Through JAX on the H100, 8192 x 28672 /
 //   28672 x 8192: mxfp4 M = 1 59.4 / 56.5 -> 55.2 / 54.2 us, M = 16 63.1 / 60.5 -> 58.4 /
 //   55.8; nvfp4 (with its scale boxes, wg_boxes) M = 16 61.5 / 60.2 -> 59.9 / 58.7, M = 1
-//   equal (benchmarks/NOTES.md round 13). Linear INT4 with its scale and zero-point boxes
+//   equal (benchmarks/log/NOTES.md round 13). Linear INT4 with its scale and zero-point boxes
 //   (2 stages of two at BN = 32, where 3 do not fit): harness, H100, 8192 x 28672 / 28672
 //   x 8192, us, M = 1 63.0 / 62.5 -> 59.9 / 53.9, M = 16 66.5 / 69.9 -> 62.4 / 56.2, M = 32
 //   73.1 / 75.0 -> 65.6 / 59.2 (round 21; before, it lacked the room for the boxes).
@@ -1086,7 +1086,7 @@ __host__ __device__ constexpr int wg_sub() {
 }
 // 4 stages where they fit, else 3: at BN = 256; at BN = 64 for the table path, whose 16
 // table copies (wg_copies) fit beside 3 stages at two CTAs per SM, not beside 4 (harness,
-// H100, M = 64: nf4 141 -> 94 us; benchmarks/NOTES.md round 7); and for stages of two steps
+// H100, M = 64: nf4 141 -> 94 us; benchmarks/log/NOTES.md round 7); and for stages of two steps
 // at BN = 16, 32. Beside the wide pair table (64 KB, wg_copies): 3, or 2 of two steps at
 // BN = 8. The bit path at BN = 8: 3 (6 steps ahead instead of 8: fewer bytes in flight
 // streamed faster). Harness, H100, M = 1,
@@ -1158,7 +1158,7 @@ __host__ __device__ constexpr bool wg_fits(int stage_bytes) {
 // land in the stage as [step][row][bytes]: no tensor maps, no 64-byte row pieces 4-14 KB
 // apart in DRAM. Harness on the H100, linear -> prepared, 8192 x 28672 / 28672 x 8192:
 // nvfp4 M = 1 57.7 / 56.7 -> 50.1 / 50.3 us, mxfp4 55.8 / 54.0 -> 49.3 / 48.2, M = 64
-// -3-7% (benchmarks/NOTES.md round 15); int4 67 / 66 -> 60 / 54 us with stages of one
+// -3-7% (benchmarks/log/NOTES.md round 15); int4 67 / 66 -> 60 / 54 us with stages of one
 // step, 50 / 47 with stages of two (wg_sub), nf4 79 / 71 -> 73 / 64 (round 16). The
 // kernel's TILED instance reads this layout.
 template <int FMT>  // a row's scale bytes per 128-k step: 8 E4M3 (nvfp4), 4 E8M0 (mxfp4), or
@@ -1335,7 +1335,7 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
   // compiler relies on it too and folds a run-time check of it away). The base is still
   // taken as the run-time address rounded up to 1024, the same address: with the symbol's
   // address itself ptxas scheduled the prepared INT4 kernels at 8- and 16-row tiles 1.5-2%
-  // slower (harness, H100; benchmarks/NOTES.md round 21).
+  // slower (harness, H100; benchmarks/log/NOTES.md round 21).
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const uint32_t raw_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
   uint8_t* smem = smem_raw + (((raw_addr + 1023u) & ~1023u) - raw_addr);
@@ -1654,7 +1654,7 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
       }
       // MXFP4's second scale factor, where a lane's scale is > 2: one branch around its
       // multiplies, the decode itself the same in every case (as fast as a branch between
-      // two decodes, benchmarks/NOTES.md round 10)
+      // two decodes, benchmarks/log/NOTES.md round 10)
       if (fixup) {
 #pragma unroll
         for (int i = 0; i < 2 * kWords; ++i)
@@ -1830,7 +1830,7 @@ cudaError_t launch_wgmma(cudaStream_t stream, const uint16_t* xp, const uint8_t*
   // [step][row][64 bytes], the layout of kSub 2-D boxes, in one copy. With one scale box
   // per stage instead of one per step, harness on the H100, M = 1 (tile 8) on 8192 x
   // 28672 / 28672 x 8192: nvfp4 60.3 / 58.9 -> 58.2 / 56.8 us, mxfp4 56.7 / 55.1 -> 55.8 /
-  // 53.4 (benchmarks/NOTES.md round 14). Else (a partial last step, which the 3-D box
+  // 53.4 (benchmarks/log/NOTES.md round 14). Else (a partial last step, which the 3-D box
   // would not zero-fill: its 64-byte blocks lie inside the row) one 2-D box of 128 rows x
   // 64 bytes per step.
   WParams q = p;
