@@ -9,7 +9,8 @@ nvfp4-pack-quantized, per Linear ``p``:
   ``p.weight_packed`` uint8 (out, in/2), element 2j in the low nibble (E2M1 codes);
   ``p.weight_scale`` float8_e4m3fn (out, in/16); ``p.weight_global_scale`` float32 (1,),
   a *divisor*: 448*6/amax; optional ``p.input_global_scale`` float32 (1,) (kept as a plain
-  tensor). compressed-tensors decodes ``e2m1 * f32(scale / global_scale)``; the QArray holds
+  tensor). compressed-tensors decodes ``bf16(e2m1 * f32(scale / global_scale))`` (bfloat16
+  whatever the model dtype); the QArray (dtype bfloat16) holds
   ``tensor_scale = f32(1 / global_scale)`` and decodes ``e2m1 * f32(scale * tensor_scale)``,
   which can differ by one unit in the last place.
 pack-quantized (int4), per Linear ``p``:
@@ -27,7 +28,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from ._common import (blocks_from_g_idx, host_parts, model_dtype, module_of, pack_int32,
+from ._common import (blocks_from_g_idx, host_parts, module_of, pack_int32,
                       pack_nibbles, qarray, require, unpack_int32, unpack_nibbles)
 
 NAME = "compressed-tensors"
@@ -84,7 +85,9 @@ def _load_nvfp4(ckpt, p):
     if not (np.isfinite(gs) and gs > 0):
         ckpt.fail(p + ".weight_global_scale", f"expected a finite positive divisor, got {gs}")
     ts = np.float32(np.float32(1) / gs)
-    return qarray("nvfp4", packed, scale, shape=(out, k), dtype=model_dtype(ckpt),
+    # compressed-tensors decompresses NVFP4 to bfloat16 whatever the model dtype
+    # (unpack_fp4_from_uint8's default dtype), so that is the QArray's dtype too
+    return qarray("nvfp4", packed, scale, shape=(out, k), dtype=ml_dtypes.bfloat16,
                   block_size=16, tensor_scale=ts)
 
 
