@@ -421,3 +421,22 @@ def test_default_convention_unchanged(tmp_path, rng):
     np.testing.assert_array_equal(np.asarray(back["w"].data), np.asarray(tree["w"].data))
     with pytest.raises(ValueError, match="stores a 2-D .* nvfp4 QArray"):
         jio.save(tmp_path / "bad", {"w": jf.quantize(x, "mxfp4")}, convention="modelopt")
+
+
+def test_cli_convert_between_conventions(tmp_path, rng, capsys):
+    from jax_fp4.cli import main
+
+    sd, ref = _bnb_state_dict(_weight(rng), "nf4", True, 64)
+    src = _save_dir(tmp_path / "src", sd, {"model_type": "toy", "quantization_config": {
+        "quant_method": "bitsandbytes", "bnb_4bit_quant_type": "nf4"}})
+    assert main(["convert", str(src), str(tmp_path / "n.safetensors"), "--to", "jax_fp4"]) == 0
+    assert "(bitsandbytes, 1 quantized of 2 tensors)" in capsys.readouterr().out
+    assert main(["convert", str(tmp_path / "n.safetensors"), str(tmp_path / "b"),
+                 "--to", "bitsandbytes"]) == 0
+    cfg = json.load(open(tmp_path / "b" / "config.json"))
+    assert cfg["quantization_config"]["bnb_4bit_quant_type"] == "nf4"
+    np.testing.assert_array_equal(_bits(jio.load(tmp_path / "b")["l.weight"].dequantize()),
+                                  _bits(ref))
+    # nf4 is not a compressed-tensors scheme: a clear error, exit status 2
+    assert main(["convert", str(src), str(tmp_path / "ct"), "--to", "compressed-tensors"]) == 2
+    assert "compressed-tensors stores a 2-D (out, in) nvfp4/int4 QArray" in capsys.readouterr().err
