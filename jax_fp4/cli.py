@@ -7,6 +7,9 @@
       quantize the 2-D weights of any safetensors checkpoint into a jax-fp4 checkpoint.
   jax-fp4 inspect FILE [--json]
       what a (quantized) safetensors checkpoint holds.
+  jax-fp4 convert SRC DST --to CONVENTION [--from CONVENTION]
+      rewrite a checkpoint in another convention (jax_fp4, compressed-tensors, modelopt,
+      bitsandbytes, awq, gptq, lightx2v; docs/interop.md).
 
 ``main(argv)`` returns the exit status: 0 success, 1 nothing to do, 2 bad input.
 """
@@ -179,8 +182,26 @@ def _cmd_inspect(args) -> int:
     return 0
 
 
+def _cmd_convert(args) -> int:
+    from .io import detect, load, save
+    from .qarray import QArray
+
+    src = args.source_convention or detect(args.src)
+    tree = load(args.src, convention=src)
+    n = sum(isinstance(v, QArray) for v in tree.values())
+    config = None
+    cfg_path = os.path.join(args.src, "config.json")
+    if args.to != "jax_fp4" and os.path.isfile(cfg_path):
+        with open(cfg_path) as fh:  # the model's config travels; its quantization does not
+            config = {k: v for k, v in json.load(fh).items() if k != "quantization_config"}
+    save(args.dst, tree, convention=args.to, config=config)
+    print(f"converted {args.src} ({src}, {n} quantized of {len(tree)} tensors) -> "
+          f"{args.dst} ({args.to})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The argparse parser of ``jax-fp4`` (subcommands demo, quantize, inspect)."""
+    """The argparse parser of ``jax-fp4`` (subcommands demo, quantize, inspect, convert)."""
     from .formats import FORMAT_NAMES
 
     p = argparse.ArgumentParser(prog="jax-fp4", description="jax-fp4: 4-bit and micro-scaled "
@@ -232,6 +253,17 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true")
     i.add_argument("--all", action="store_true", help="list every plain tensor")
     i.set_defaults(func=_cmd_inspect)
+
+    from .io import CONVENTIONS
+
+    c = sub.add_parser("convert", help="rewrite a checkpoint in another convention")
+    c.add_argument("src", metavar="SRC", help="safetensors file or Hugging Face model directory")
+    c.add_argument("dst", metavar="DST", help="output: a .safetensors file, or a directory "
+                   "(model.safetensors + config.json) for the PyTorch conventions")
+    c.add_argument("--to", required=True, choices=CONVENTIONS)
+    c.add_argument("--from", dest="source_convention", choices=CONVENTIONS, default=None,
+                   help="the source's convention (default: detected)")
+    c.set_defaults(func=_cmd_convert)
     return p
 
 

@@ -236,7 +236,10 @@ def load_bert(model_dir=None) -> BertModel:
     st = d / "model.safetensors"
     if not st.is_file():
         raise FileNotFoundError(f"{st}: no such file")
-    tensors = _strip_prefix(load(st))
+    # a config.json with a quantization_config marks a PyTorch-world quantized checkpoint
+    # (compressed-tensors, ModelOpt, ...): read the directory so the config picks the convention
+    foreign = "quantization_config" in json.loads((d / "config.json").read_text())
+    tensors = _strip_prefix(load(d if foreign else st))
     # abstract init (no random numbers drawn); every variable is then set from the file
     model = nnx.eval_shape(lambda: BertModel(cfg, rngs=nnx.Rngs(0)))
     for ours, (hf, is_weight) in _hf_name_map(cfg).items():
