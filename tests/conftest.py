@@ -51,7 +51,17 @@ def _float32_matmuls_on_gpu():
         yield
 
 
+def pytest_addoption(parser):
+    parser.addoption("--runslow", action="store_true", default=False,
+                     help="also run tests marked slow (or set JAX_FP4_SLOW=1)")
+
+
 def pytest_collection_modifyitems(config, items):
+    if not (config.getoption("--runslow") or os.environ.get("JAX_FP4_SLOW") == "1"):
+        skip_slow = pytest.mark.skip(reason="slow: run with --runslow or JAX_FP4_SLOW=1")
+        for item in items:
+            if "slow" in item.keywords:
+                item.add_marker(skip_slow)
     if has_gpu():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (jax.devices() has none)")
