@@ -149,6 +149,7 @@ def _register_lowerings(prim, target, reference_impl, kernel_impl=None, ffi_attr
                         "the INT4 fake-quantize kernels keep the group scale in x's dtype: "
                         "pass scale_dtype=None, or use the 'auto' or 'reference' backend"
                         if fixed_scale_dtype and params.get("scale_dtype") is not None
+                        and np.dtype(params["scale_dtype"]) != ctx.avals_in[0].dtype
                         else "not built for this platform")
                     raise RuntimeError(
                         f"JAX_FP4_BACKEND=kernels, but this jax-fp4 install has no "
