@@ -79,8 +79,7 @@ def _jit(backend, fmt, bs, kw_items):
     return jax.jit(f)
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow],
-          derandomize=False)
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_case())
 def test_cpu_kernels_match_reference(case):
     fmt, bs, kw, x = case
