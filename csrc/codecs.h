@@ -476,16 +476,30 @@ JF4_HD uint32_t codebook_code(uint32_t position) {
 }
 
 // INT4 (AutoAWQ rule) from the block min / max. The scale is rounded to its storage
-// type first and the rounded value is used.
+// type first and the rounded value is used. Float16 scales saturate at 65504 instead of
+// overflowing. A wide block (max - min >= 2^127, or overflowing) takes s = max(max, -min)/8
+// (exact), rounded toward zero to the storage type, and z = 8 if -min >= max else 7, so
+// that every code decodes to a finite value (docs/spec-int4-overflow.md; reference
+// _quantize_int4).
 struct Int4Params {
   uint32_t scale_bits;  // in storage type st
   float s;              // the stored scale as float32
   float z;              // zero point in [0, 15]
 };
+constexpr uint32_t kF16MaxBits = 0x7bffu;  // 65504
 JF4_HD Int4Params int4_params(float mn, float mx, int st) {
   Int4Params p;
-  const float s32 = maxf(mx - mn, 1e-5f) / 15.0f;
+  const float d = mx - mn;
+  if (!(d < 0x1p127f)) {
+    const uint32_t sw = f2u(maxf(mx, -mn)) - (3u << 23);  // m / 8, m >= 2^126
+    p.scale_bits = st == kScaleBF16 ? (sw >> 16) : (st == kScaleF16 ? kF16MaxBits : sw);
+    p.s = scale_from_bits(p.scale_bits, st);
+    p.z = -mn >= mx ? 8.0f : 7.0f;
+    return p;
+  }
+  const float s32 = maxf(d, 1e-5f) / 15.0f;
   p.scale_bits = scale_to_bits(s32, st);
+  if (st == kScaleF16 && p.scale_bits == 0x7c00u) p.scale_bits = kF16MaxBits;
   p.s = scale_from_bits(p.scale_bits, st);
   // rint of a value clamped to [-64, 64] gives the same final clamp as the unclamped one.
   p.z = clampf(-rint_small(clampf(mn / p.s, -64.0f, 64.0f)), 0.0f, 15.0f);

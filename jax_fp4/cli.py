@@ -5,8 +5,9 @@
       activations), run under jax.jit on the packaged sentences; one table row per format.
   jax-fp4 quantize IN OUT --format F [--filter REGEX]
       quantize the 2-D weights of any safetensors checkpoint into a jax-fp4 checkpoint.
-  jax-fp4 inspect FILE [--json]
-      what a (quantized) safetensors checkpoint holds.
+  jax-fp4 inspect FILE [--json] [--verify]
+      what a (quantized) safetensors checkpoint holds; --verify reads every tensor and
+      checks it against its checksum (exit status 2 and the problem on stderr if not).
   jax-fp4 convert SRC DST --to CONVENTION [--from CONVENTION]
       rewrite a checkpoint in another convention (jax_fp4, compressed-tensors, modelopt,
       bitsandbytes, awq, gptq, lightx2v; docs/interop.md).
@@ -146,16 +147,23 @@ def _fmt_shape(s):
 
 
 def _cmd_inspect(args) -> int:
-    from .io import describe
+    from .io import describe, verify
 
     _input_file("FILE", args.file)
     d = describe(args.file)
+    if args.verify:
+        v = verify(args.file)
+        d["verified"] = v
     if args.json:
         print(json.dumps(d, indent=1))
         return 0
     print(f"{d['file']}: {d['bytes'] / 2**20:.2f} MiB, {len(d['qarrays'])} quantized "
           f"tensors, {len(d['tensors'])} plain tensors"
           + (f", jax-fp4 checkpoint v{d['jax_fp4_version']}" if d["jax_fp4_version"] else ""))
+    if args.verify:
+        print(f"verify: OK, {v['tensors']} tensors read"
+              + (f", {v['checksummed']} checksums match (blake2b-128)" if v["checksummed"]
+                 else " (this file has no checksums: structure checked only)"))
     if d["metadata"]:
         print("metadata: " + ", ".join(f"{k}={v}" for k, v in d["metadata"].items()))
     if d["qarrays"]:
@@ -252,6 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("file", metavar="FILE")
     i.add_argument("--json", action="store_true")
     i.add_argument("--all", action="store_true", help="list every plain tensor")
+    i.add_argument("--verify", action="store_true",
+                   help="read every tensor and check its checksum (exit 2 on corruption)")
     i.set_defaults(func=_cmd_inspect)
 
     from .io import CONVENTIONS
@@ -281,7 +291,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ImportError as e:
         print(f"jax-fp4: error: {e} (pip install 'jax-fp4[demo]')", file=sys.stderr)
         return 2
-    except (FileNotFoundError, ValueError) as e:
+    except (OSError, ValueError) as e:
         print(f"jax-fp4: error: {e}", file=sys.stderr)
         return 2
 

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import layout, primitives, reference
+from . import layout, primitives, reference, validate
 from .formats import get_format
 from .qarray import QArray
 
@@ -26,7 +26,10 @@ def _check_float(x, name):
     if isinstance(x, QArray):
         raise TypeError(f"{name}: expected a float array, got a QArray ({x!r})")
     if not hasattr(x, "dtype"):
-        x = jnp.asarray(x)
+        try:
+            x = jnp.asarray(x)
+        except TypeError:
+            raise TypeError(f"{name}: expected a float array, got {type(x).__name__}") from None
     if np.dtype(x.dtype) not in _FLOAT_DTYPES:
         raise TypeError(f"{name}: expected dtype float32, bfloat16 or float16, got {x.dtype}")
     return x
@@ -60,10 +63,7 @@ def _check_options(f, x_dtype, tensor_scale, scale_layout, scale_rounding, scale
         if f.family != "int4":
             raise ValueError(f"scale_dtype: only int4 scales have a choice of dtype, got "
                              f"format {f.name!r}")
-        if np.dtype(scale_dtype) not in _FLOAT_DTYPES:
-            raise TypeError(f"scale_dtype: expected float32, bfloat16 or float16, got "
-                            f"{np.dtype(scale_dtype)}")
-        return np.dtype(scale_dtype)
+        return validate.float_dtype(scale_dtype, "scale_dtype")
     return np.dtype(x_dtype) if f.family == "int4" else None
 
 
@@ -76,13 +76,13 @@ def _tensor_scale(tensor_scale, x):
             raise ValueError(f"tensor_scale: expected None, 'auto' or a float32 scalar, got "
                              f"{tensor_scale!r}")
         return primitives.auto_tensor_scale(x.reshape(-1, x.shape[-1]))
+    validate.check_real_scalar(tensor_scale, "tensor_scale")
     ts = jnp.asarray(tensor_scale)
     if ts.shape != ():
         raise ValueError(f"tensor_scale: expected a scalar, got shape {ts.shape}")
     ts = ts.astype(jnp.float32)
-    try:
-        v = float(ts)
-    except (jax.errors.ConcretizationTypeError, TypeError):
+    v = validate.concrete_float(ts)
+    if v is None:
         return ts  # traced: invalid values give NaN scales (docs/spec.md section 3)
     if not (math.isfinite(v) and v >= reference.TENSOR_SCALE_MIN):
         raise ValueError(f"tensor_scale: expected a finite value >= 2**-120, got {v}")
@@ -119,9 +119,8 @@ def _quantize_args(x, format, axis, block_size, tensor_scale, scale_layout, scal
         raise ValueError("x: expected an array with at least one axis, got a scalar")
     axis = _normalize_axis(axis, x.ndim)
     bs = f.default_block if block_size is None else block_size
-    if not isinstance(bs, (int, np.integer)) or isinstance(bs, bool):
-        raise TypeError(f"block_size: expected an int, got {type(bs).__name__}")
-    f.check_block_size(int(bs), x.shape[axis])
+    bs = validate.check_int(bs, "block_size")
+    f.check_block_size(bs, x.shape[axis])
     scale_dtype = _check_options(f, x.dtype, tensor_scale, scale_layout, scale_rounding,
                                  scale_dtype)
     ts = _tensor_scale(tensor_scale, x)
@@ -227,9 +226,7 @@ def dequantize(q: QArray, dtype=None):
       TypeError: q is not a QArray, or an unsupported dtype.
     """
     _check_qarray(q, "q")
-    dtype = np.dtype(q.dtype if dtype is None else dtype)
-    if dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"dtype: expected float32, bfloat16 or float16, got {dtype}")
+    dtype = validate.float_dtype(q.dtype if dtype is None else dtype, "dtype")
     bufs, rest, k = _qarray_rows(q)
     y = primitives.dequantize_p.bind(
         *bufs, fmt=q.format, block_size=q.block_size, k=k, dtype=dtype,
@@ -324,11 +321,22 @@ def tensor_scale_from_amax(amax, format="nvfp4"):
     Returns:
       float32 array shaped like amax.
     Raises:
-      ValueError: a format other than nvfp4.
+      TypeError: amax is not real (bool, complex, str).
+      ValueError: a format other than nvfp4; a concrete amax that is negative or NaN
+        (traced values follow the reference: NaN in, NaN out).
     """
     f = get_format(format)
     if f.family != "nvfp4":
         raise ValueError(f"format: only nvfp4 has a per-tensor scale, got {f.name!r}")
+    validate.check_real_scalar(amax, "amax")
+    try:
+        a = np.asarray(amax, np.float64)
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError,
+            TypeError):
+        a = None
+    if a is not None and (np.isnan(a).any() or (a < 0).any()):
+        raise ValueError(f"amax: expected non-negative values (an absolute maximum), got "
+                         f"{amax!r}")
     return reference.tensor_scale_from_amax(amax)
 
 
@@ -351,13 +359,22 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
       as ``lax.dot_general`` on the dequantized operands; dtype
       ``preferred_element_type`` or the promoted dtype of the operands.
     Raises:
-      TypeError: both operands are QArrays.
+      TypeError: both operands are QArrays; the array operand next to a QArray is not a
+        real floating-point array (complex, bool, integer); dimension_numbers malformed
+        or inconsistent with the operands (as ``lax.dot_general`` raises).
       ValueError: a QArray's blocked axis is not one of its contracting dimensions.
     """
-    (lc, rc), (lb, rb) = dimension_numbers
     lq, rq = isinstance(lhs, QArray), isinstance(rhs, QArray)
     if lq and rq:
         raise TypeError("lhs, rhs: both are QArrays; use jax_fp4.scaled_matmul for W4A4/W8A8")
+    if lq or rq:
+        if lq:
+            rhs = validate.check_float_operand(rhs, "rhs")
+        else:
+            lhs = validate.check_float_operand(lhs, "lhs")
+        dimension_numbers = validate.check_dimension_numbers(
+            dimension_numbers, tuple(lhs.shape), tuple(rhs.shape))
+    (lc, rc), (lb, rb) = dimension_numbers
     if not (lq or rq):
         kw = {} if out_sharding is None else {"out_sharding": out_sharding}
         return lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type,
@@ -365,14 +382,13 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
     if out_sharding is not None:
         raise NotImplementedError("out_sharding: not supported with a QArray operand yet")
     q, other, qc, name = (rhs, lhs, rc, "rhs") if rq else (lhs, rhs, lc, "lhs")
-    qc = tuple(int(d) % q.ndim for d in qc)
     if q.axis not in qc:
         raise ValueError(f"{name}: a QArray must be contracted along its blocked axis "
                          f"{q.axis}, but the contracting dimensions are {qc}")
     other = jnp.asarray(other)
     out_dtype = np.dtype(preferred_element_type or jnp.result_type(other.dtype, q.dtype))
     if rq and q.ndim == 2 and not lb and not rb and len(rc) == 1 and other.ndim >= 1:
-        return _weight_matmul(other, q, int(lc[0]) % other.ndim, precision, out_dtype)
+        return _weight_matmul(other, q, lc[0], precision, out_dtype)
     w = dequantize(q, other.dtype if other.dtype in _FLOAT_DTYPES else q.dtype)
     args = (other, w) if rq else (w, other)
     return lax.dot_general(*args, dimension_numbers, precision, preferred_element_type)
@@ -423,7 +439,10 @@ def matmul(x, w: QArray):
     if w.ndim != 2 or w.axis != 0:
         raise ValueError(f"w: expected a 2-D (K, N) QArray blocked along axis 0, got shape "
                          f"{w.shape} blocked along axis {w.axis}")
-    x = jnp.asarray(x)
+    x = validate.check_float_operand(x, "x", min_ndim=1)
+    if x.shape[-1] != w.shape[0]:
+        raise ValueError(f"x: expected a last axis of K={w.shape[0]} (w is {w.shape}), got "
+                         f"shape {x.shape}")
     return dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())))
 
 
@@ -468,15 +487,17 @@ def scaled_matmul(a: QArray, b: QArray, *, alpha=None, bias=None, out_dtype=jnp.
     if a.shape[1] != b.shape[1]:
         raise ValueError(f"b: K mismatch: a has K={a.shape[1]}, b has K={b.shape[1]}")
     n = b.shape[0]
+    if alpha is not None:
+        validate.check_real_scalar(alpha, "alpha")
+    if bias is not None:
+        bias = validate.check_float_operand(bias, "bias")
     alpha = jnp.float32(1.0) if alpha is None else jnp.asarray(alpha, jnp.float32)
     if alpha.shape != ():
         raise ValueError(f"alpha: expected a scalar, got shape {alpha.shape}")
     bias = jnp.zeros((n,), jnp.float32) if bias is None else jnp.asarray(bias)
     if bias.shape != (n,):
         raise ValueError(f"bias: expected shape ({n},), got {bias.shape}")
-    out_dtype = np.dtype(out_dtype)
-    if out_dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"out_dtype: expected float32, bfloat16 or float16, got {out_dtype}")
+    out_dtype = validate.float_dtype(out_dtype, "out_dtype")
     (ac, asc, _, ats), _, k = _qarray_rows(a)
     (bc, bsc, _, bts), _, _ = _qarray_rows(b)
     # one-level NVFP4 decodes as two-level with a tensor scale of exactly 1

@@ -148,10 +148,15 @@ def _register_lowerings(prim, target, reference_impl, kernel_impl=None, ffi_attr
                     _platform, ctx.avals_in, dict(params, scale_dtype_follows_x=fixed_scale_dtype))
             if not available:
                 if impl == "kernels":
+                    why = _ext.load_error() or (
+                        "the INT4 fake-quantize kernels keep the group scale in x's dtype: "
+                        "pass scale_dtype=None, or use the 'auto' or 'reference' backend"
+                        if fixed_scale_dtype and params.get("scale_dtype") is not None
+                        and np.dtype(params["scale_dtype"]) != ctx.avals_in[0].dtype
+                        else "not built for this platform")
                     raise RuntimeError(
                         f"JAX_FP4_BACKEND=kernels, but this jax-fp4 install has no "
-                        f"{_platform} kernel for {prim.name} with these parameters "
-                        f"({_ext.load_error() or 'not built for this platform'})")
+                        f"{_platform} kernel for {prim.name} with these parameters ({why})")
                 return ref_rule(ctx, *args, **params)
             if kernel_impl is not None:
                 return mlir.lower_fun(kernel_impl, multiple_results=multiple_results)(

@@ -5,9 +5,10 @@ import math
 import jax
 import numpy as np
 
+from . import validate
 from .formats import get_format
 
-SCALE_LAYOUTS = ("linear", "swizzled", "tiled")
+SCALE_LAYOUTS = validate.SCALE_LAYOUTS
 
 
 @jax.tree_util.register_pytree_node_class
@@ -34,6 +35,11 @@ class QArray:
     non-negative), logical ``shape`` at creation, ``dtype`` (default dequantize dtype),
     ``block_size`` and ``scale_layout``.
 
+    Construction and unflattening check the static fields and every array-like leaf
+    (jax_fp4.validate.check_leaves): TypeError for a wrong dtype, ValueError for a wrong
+    shape, an axis out of range, a block size the format does not allow, zero points or a
+    tensor scale on a format without them, or a per-row tensor scale.
+
     Under ``vmap``/``scan`` the leaves lose leading axes; ``shape``/``axis`` are derived
     from ``data`` so a stacked QArray of L layers sliced by scan reads as one layer.
     """
@@ -43,18 +49,11 @@ class QArray:
 
     def __init__(self, data, scales, tensor_scale=None, zeros=None, *, format, axis, shape,
                  dtype, block_size, scale_layout="linear"):
-        self.data = data
-        self.scales = scales
-        self.tensor_scale = tensor_scale
-        self.zeros = zeros
-        self.format = get_format(format).name
-        self._axis = int(axis)
-        self._shape = tuple(int(d) for d in shape)
-        self.dtype = np.dtype(dtype)
-        self.block_size = int(block_size)
-        if scale_layout not in SCALE_LAYOUTS:
-            raise ValueError(f"scale_layout: expected one of {SCALE_LAYOUTS}, got {scale_layout!r}")
-        self.scale_layout = scale_layout
+        (self.format, self._axis, self._shape, self.dtype, self.block_size,
+         self.scale_layout) = validate.normalize_aux(format, axis, shape, dtype, block_size,
+                                                     scale_layout)
+        self.data, self.scales, self.tensor_scale, self.zeros = data, scales, tensor_scale, zeros
+        self._check_leaves()
 
     # -- pytree -------------------------------------------------------------------
     def tree_flatten(self):
@@ -66,9 +65,16 @@ class QArray:
     def tree_unflatten(cls, aux, children):
         obj = object.__new__(cls)
         obj.data, obj.scales, obj.tensor_scale, obj.zeros = children
+        validate.check_aux(aux)
         (obj.format, obj._axis, obj._shape, obj.dtype, obj.block_size,
          obj.scale_layout) = aux
+        obj._check_leaves()
         return obj
+
+    def _check_leaves(self):
+        validate.check_leaves(self.format, self._axis, self._shape, self.block_size,
+                              self.scale_layout, self.data, self.scales, self.tensor_scale,
+                              self.zeros)
 
     # -- shape ---------------------------------------------------------------------
     @property

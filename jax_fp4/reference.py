@@ -390,14 +390,45 @@ def _quantize_codebook(xb, amax_b, table):
     return bucketize(scaled, table), absmax
 
 
+INT4_WIDE_RANGE = 2.0 ** 127  # blocks with max - min >= this take the wide-block rule
+_F16_MAX = 65504.0
+
+
 def _quantize_int4(xb, scale_dtype):
+    """AutoAWQ min/max rule, plus the wide-block rule (docs/spec-int4-overflow.md).
+
+    Normal block (max - min < 2**127 in float32): s = max(max - min, 1e-5) / 15 rounded to
+    scale_dtype (float16 saturating at 65504 instead of overflowing to Inf),
+    z = clip(-rint(min / s), 0, 15). Wide block (max - min >= 2**127 or overflowing):
+    s = max(max, -min) / 8 rounded toward zero to scale_dtype (float16: 65504), z = 8 if
+    -min >= max else 7, so that every code decodes to a finite (q - z) * s, |q - z| <= 8.
+    Either way q = clip(rint(x / s) + z, 0, 15).
+    """
     key = _ordered_key(xb)
     mn = _float(_from_ordered_key(jnp.min(key, axis=-1)))
     mx = _float(_from_ordered_key(jnp.max(key, axis=-1)))
-    s32 = _div(jnp.maximum(mx - mn, F32(1e-5)), 15.0)
-    s_store = round_f32_to(s32, scale_dtype)
+    d = mx - mn
+    wide = ~(d < F32(INT4_WIDE_RANGE))
+    f16 = jnp.dtype(scale_dtype) == jnp.float16
+    # normal blocks
+    s32 = _div(jnp.maximum(jnp.where(wide, F32(1.0), d), F32(1e-5)), 15.0)
+    s_norm = round_f32_to(s32, scale_dtype)
+    if f16:
+        s_norm = jnp.where(jnp.isinf(s_norm), jnp.float16(_F16_MAX), s_norm)
+    # wide blocks: max(max, -min) >= 2**126, so the division by 8 is exact in float32
+    m = jnp.where(wide, jnp.maximum(mx, -mn), F32(1.0))
+    sw_bits = _bits(m) - jnp.uint32(3 << 23)
+    if f16:
+        s_wide = jnp.full(m.shape, _F16_MAX, jnp.float16)
+    elif jnp.dtype(scale_dtype) == jnp.bfloat16:
+        s_wide = lax.bitcast_convert_type((sw_bits >> 16).astype(jnp.uint16), jnp.bfloat16)
+    else:
+        s_wide = _float(sw_bits)
+    s_store = jnp.where(wide, s_wide.astype(s_norm.dtype), s_norm)
     s = s_store.astype(F32)[..., None]
-    z = jnp.clip(-jnp.round(_div(mn[..., None], s)), 0, 15)
+    z_norm = jnp.clip(-jnp.round(_div(mn[..., None], s)), 0, 15)
+    z_wide = jnp.where(-mn >= mx, F32(8.0), F32(7.0))[..., None]
+    z = jnp.where(wide[..., None], z_wide, z_norm)
     q = jnp.clip(jnp.round(_div(_float(xb), s)) + z, 0, 15)
     return q.astype(jnp.uint8), s_store, z[..., 0].astype(jnp.uint8)
 

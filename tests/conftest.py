@@ -51,6 +51,11 @@ def _float32_matmuls_on_gpu():
         yield
 
 
+def pytest_addoption(parser):
+    parser.addoption("--runslow", action="store_true", default=False,
+                     help="also run tests marked slow (or set JAX_FP4_SLOW=1)")
+
+
 def pytest_collection_modifyitems(config, items):
     # JAX_FP4_TEST_SHARD=i/n: run every n-th test from the i-th (0-based), so that n
     # processes share one GPU run (each compiles on its own cores)
@@ -58,6 +63,11 @@ def pytest_collection_modifyitems(config, items):
     if shard:
         i, n = (int(v) for v in shard.split("/"))
         items[:] = [it for j, it in enumerate(items) if j % n == i]
+    if not (config.getoption("--runslow") or os.environ.get("JAX_FP4_SLOW") == "1"):
+        skip_slow = pytest.mark.skip(reason="slow: run with --runslow or JAX_FP4_SLOW=1")
+        for item in items:
+            if "slow" in item.keywords:
+                item.add_marker(skip_slow)
     if has_gpu():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (jax.devices() has none)")

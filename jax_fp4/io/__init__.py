@@ -7,7 +7,8 @@ also read and write the checkpoint conventions of the PyTorch ecosystem
 :mod:`jax_fp4.io.conventions` and docs/interop.md).
 """
 from . import conventions
-from .safetensors import CheckpointError, describe, read_header
+from .atomic import atomic_write
+from .safetensors import CheckpointError, describe, read_header, verify
 from .safetensors import load as _load_native
 from .safetensors import save as _save_native
 from .conventions import CONVENTIONS, detect
@@ -42,5 +43,5 @@ def save(path, tree, *, metadata=None, convention: str = "jax_fp4", config=None)
     return conventions.save(path, tree, convention, metadata=metadata, config=config)
 
 
-__all__ = ["save", "load", "describe", "read_header", "detect", "CheckpointError",
-           "CONVENTIONS", "conventions"]
+__all__ = ["save", "load", "describe", "read_header", "verify", "detect", "CheckpointError",
+           "CONVENTIONS", "conventions", "atomic_write"]
