@@ -11,7 +11,6 @@ from .formats import get_format
 SCALE_LAYOUTS = validate.SCALE_LAYOUTS
 
 
-@jax.tree_util.register_pytree_node_class
 class QArray:
     """A quantized array: packed codes plus block scales, with static format metadata.
 
@@ -47,29 +46,35 @@ class QArray:
     __slots__ = ("data", "scales", "tensor_scale", "zeros", "format", "_axis", "_shape",
                  "dtype", "block_size", "scale_layout")
 
-    def __init__(self, data, scales, tensor_scale=None, zeros=None, *, format, axis, shape,
-                 dtype, block_size, scale_layout="linear"):
+    def __init__(self, data, scales, tensor_scale=None, zeros=None, *, format, dtype,
+                 block_size, axis=None, shape=None, scale_layout="linear", _axis=None,
+                 _shape=None):
+        if _axis is not None:  # unflattening: the stored static fields, as flattened
+            aux = (format, _axis, _shape, dtype, block_size, scale_layout)
+            validate.check_aux(aux)
+        elif axis is None or shape is None:
+            raise TypeError("QArray: the keyword arguments `axis` and `shape` are required")
+        else:
+            aux = validate.normalize_aux(format, axis, shape, dtype, block_size, scale_layout)
         (self.format, self._axis, self._shape, self.dtype, self.block_size,
-         self.scale_layout) = validate.normalize_aux(format, axis, shape, dtype, block_size,
-                                                     scale_layout)
+         self.scale_layout) = aux
         self.data, self.scales, self.tensor_scale, self.zeros = data, scales, tensor_scale, zeros
         self._check_leaves()
 
-    # -- pytree -------------------------------------------------------------------
+    # -- pytree (registered below with register_dataclass: flattened by jax's C++ pytree
+    # code, not a Python callback, which a jitted call's dispatch pays per QArray) -------
+    _DATA_FIELDS = ("data", "scales", "tensor_scale", "zeros")
+    _META_FIELDS = ("format", "_axis", "_shape", "dtype", "block_size", "scale_layout")
+
     def tree_flatten(self):
-        aux = (self.format, self._axis, self._shape, self.dtype, self.block_size,
-               self.scale_layout)
-        return (self.data, self.scales, self.tensor_scale, self.zeros), aux
+        """(children, aux) as jax flattens a QArray."""
+        return (tuple(getattr(self, f) for f in self._DATA_FIELDS),
+                tuple(getattr(self, f) for f in self._META_FIELDS))
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        obj = object.__new__(cls)
-        obj.data, obj.scales, obj.tensor_scale, obj.zeros = children
-        validate.check_aux(aux)
-        (obj.format, obj._axis, obj._shape, obj.dtype, obj.block_size,
-         obj.scale_layout) = aux
-        obj._check_leaves()
-        return obj
+        """The inverse of :meth:`tree_flatten` (checks the fields and leaves)."""
+        return cls(*children, **dict(zip(cls._META_FIELDS, aux)))
 
     def _check_leaves(self):
         validate.check_leaves(self.format, self._axis, self._shape, self.block_size,
@@ -143,3 +148,6 @@ class QArray:
 def is_qarray(x) -> bool:
     return isinstance(x, QArray)
 
+
+jax.tree_util.register_dataclass(QArray, data_fields=list(QArray._DATA_FIELDS),
+                                 meta_fields=list(QArray._META_FIELDS))
