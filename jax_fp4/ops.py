@@ -294,21 +294,31 @@ def unprepare(q: QArray) -> QArray:
     return _relayout(q, layout.untile_weight, "linear") if q.scale_layout == "tiled" else q
 
 
+_STES = ("identity", "clipped")
+
+
 def fake_quantize(x, format="nvfp4", *, axis=-1, tensor_scale=None, block_size=None,
-                  scale_rounding="floor", scale_dtype=None):
+                  scale_rounding="floor", scale_dtype=None, ste="identity"):
     """Quantize-dequantize (QDQ) in one pass: ``dequantize(quantize(x, ...), x.dtype)``.
 
     Same arguments and errors as :func:`quantize` (no scale layout: nothing is stored).
-    Gradient: straight-through estimator — the incoming gradient passes where x is finite
-    and inside its block's representable range (|x| <= max element * block scale, which
-    only cuts saturated elements of MX/NVFP4 blocks), and is zero elsewhere.
 
+    Args:
+      ste: the gradient, a straight-through estimator (STE). "identity" (default; the
+        torchao / TransformerEngine convention): the incoming gradient passes wherever x is
+        finite. "clipped": it passes only where x is finite and inside its block's
+        representable range (|x| <= max element * block scale (* tensor scale), which cuts
+        the saturated elements of MX / NVFP4 blocks). Zero elsewhere.
     Returns:
       array with x's shape and dtype.
+    Raises:
+      as :func:`quantize`; ValueError: ste not "identity" or "clipped".
     """
+    if ste not in _STES:
+        raise ValueError(f"ste: expected one of {_STES}, got {ste!r}")
     f, x, axis, x2, rest, ts, params = _quantize_args(
         x, format, axis, block_size, tensor_scale, "linear", scale_rounding, scale_dtype)
-    y = primitives.fake_quantize_p.bind(x2, _row_ts(ts, x2.shape[0]), **params)
+    y = primitives.fake_quantize_p.bind(x2, _row_ts(ts, x2.shape[0]), ste=ste, **params)
     return _from_rows(y, rest, axis)
 
 
