@@ -91,7 +91,8 @@ def _cmd_finetune(args) -> int:
 
     results = []
     for fmt in _formats_arg(args.formats):
-        r = finetune(fmt, rank=args.rank, alpha=args.alpha, steps=args.steps,
+        r = finetune(fmt, rank=args.rank, alpha=args.alpha, dropout=args.dropout,
+                     steps=args.steps,
                      batch_size=args.batch_size, learning_rate=args.lr,
                      eval_fraction=args.eval_fraction, seed=args.seed, model_dir=args.model,
                      log=None if args.json else (lambda line, f=fmt: print(f"[{f}] {line}")))
@@ -211,7 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="base formats, one run each (default: nvfp4 nf4)")
     f.add_argument("--rank", type=int, default=8)
     f.add_argument("--alpha", type=float, default=16.0)
-    f.add_argument("--steps", type=int, default=150)
+    f.add_argument("--dropout", type=float, default=0.1, help="LoRA dropout rate")
+    f.add_argument("--steps", type=int, default=200)
     f.add_argument("--batch-size", type=int, default=32)
     f.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
     f.add_argument("--eval-fraction", type=float, default=0.3,

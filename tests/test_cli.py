@@ -240,3 +240,12 @@ def test_python_dash_m(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["qarrays"][0]["name"] == "w"
+
+
+def test_finetune_parser_defaults():
+    from jax_fp4.cli import build_parser
+
+    a = build_parser().parse_args(["finetune"])
+    assert a.formats == ["nvfp4", "nf4"] and a.rank == 8 and a.steps == 200
+    a = build_parser().parse_args(["finetune", "--formats", "nf4", "--rank", "4", "--json"])
+    assert a.formats == ["nf4"] and a.rank == 4 and a.json

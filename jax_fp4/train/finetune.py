@@ -63,7 +63,7 @@ def word_spans(sentences: Sequence[str], n: int, rng: np.random.Generator,
 
 
 def finetune(format: str = "nvfp4", *, rank: int = 8, alpha: float = 16.0,
-             dropout: float = 0.0, steps: int = 150, batch_size: int = 32,
+             dropout: float = 0.1, steps: int = 200, batch_size: int = 32,
              learning_rate: float = 3e-3, token_weight: float = 1.0, eval_fraction: float = 0.3, seed: int = 0,
              model_dir=None, sentences: Optional[Sequence[str]] = None,
              encoder=None, log: Optional[Callable[[str], None]] = None) -> dict:
