@@ -114,9 +114,8 @@ def test_stochastic_rounding_exact_cases():
     # block amax 6 -> E4M3 scale 1: 2.25 lies between 2 and 3 at t = 0.25
     x = jnp.asarray([[2.25] + [6.0] * 15], jnp.float32)
     rand = jnp.zeros((1, 16), jnp.uint32).at[0, 0].set(2**30 - 1)
-    codes, _, _ = reference.quantize_2d(x, "nvfp4", 16, rand=rand)
-    up = reference.dequantize_2d(codes, _[1] if False else reference.quantize_2d(
-        x, "nvfp4", 16)[1], jnp.zeros((0,), jnp.uint8), "nvfp4", 16, 16, jnp.float32)
+    codes, s1, z1 = reference.quantize_2d(x, "nvfp4", 16, rand=rand)
+    up = reference.dequantize_2d(codes, s1, z1, "nvfp4", 16, 16, jnp.float32)
     assert float(up[0, 0]) == 3.0
     rand = rand.at[0, 0].set(2**30)
     codes2, s2, z2 = reference.quantize_2d(x, "nvfp4", 16, rand=rand)
