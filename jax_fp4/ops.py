@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import layout, primitives, reference, validate
+from . import layout, primitives, reference, stochastic, validate
 from .formats import get_format
 from .qarray import QArray
 
@@ -131,7 +131,8 @@ def _quantize_args(x, format, axis, block_size, tensor_scale, scale_layout, scal
 
 # ------------------------------------------------------------------------ public API
 def quantize(x, format="nvfp4", *, axis=-1, tensor_scale=None, block_size=None,
-             scale_layout="linear", scale_rounding="floor", scale_dtype=None) -> QArray:
+             scale_layout="linear", scale_rounding="floor", scale_dtype=None,
+             rounding="nearest", key=None) -> QArray:
     """Quantize ``x`` into a :class:`QArray` blocked along ``axis``.
 
     Args:
@@ -150,19 +151,30 @@ def quantize(x, format="nvfp4", *, axis=-1, tensor_scale=None, block_size=None,
         CUTLASS / Blackwell tensor cores, 2-D, rows = product of the other axes).
       scale_rounding: MX only: "floor" (OCP MX v1.0) or "rceil" (NVIDIA hardware rule).
       scale_dtype: int4 only: dtype of the group scales (default x.dtype).
+      rounding: how elements round onto their scaled grid: "nearest" (ties to even; INT4
+        and codebooks: nearest) or "stochastic" (unbiased; needs ``key``; the bits drawn
+        from the key and the rule: :mod:`jax_fp4.stochastic`). Block scales are the same.
+      key: PRNG key for rounding="stochastic" (same key, same codes on every backend).
     Returns:
       QArray with ``dtype = x.dtype``.
     Raises:
       TypeError: x is not a float32/bfloat16/float16 array; bad argument types.
       ValueError: unknown format, axis out of range, axis length not a multiple of the
         block size, block size not allowed for the format, options that do not apply to
-        the format, non-scalar or invalid concrete tensor_scale.
+        the format, non-scalar or invalid concrete tensor_scale, unknown rounding.
     """
+    _check_rounding(rounding, key)
     f, x, axis, x2, rest, ts, params = _quantize_args(
         x, format, axis, block_size, tensor_scale, scale_layout, scale_rounding, scale_dtype)
     rows, k = x2.shape
-    codes, scales, zeros = primitives.quantize_p.bind(
-        x2, _row_ts(ts, rows), swizzled=scale_layout == "swizzled", **params)
+    if rounding == "stochastic":
+        codes, scales, zeros = stochastic.quantize_sr_p.bind(
+            x2, _row_ts(ts, rows), stochastic.random_bits(key, rows, k), **params)
+        if scale_layout == "swizzled":
+            scales = primitives._swizzle(scales)
+    else:
+        codes, scales, zeros = primitives.quantize_p.bind(
+            x2, _row_ts(ts, rows), swizzled=scale_layout == "swizzled", **params)
     data = codes.reshape(rest + (codes.shape[-1],))
     if f.bits == 8:
         data = lax.bitcast_convert_type(data, f.elem.np_dtype)
@@ -173,6 +185,17 @@ def quantize(x, format="nvfp4", *, axis=-1, tensor_scale=None, block_size=None,
     return QArray(data, scales, ts, zeros.reshape(rest + (zeros.shape[-1],))
                   if f.family == "int4" else None, format=f.name, axis=axis, shape=x.shape,
                   dtype=x.dtype, block_size=params["block_size"], scale_layout=scale_layout)
+
+
+_ELEMENT_ROUNDINGS = ("nearest", "stochastic")
+
+
+def _check_rounding(rounding, key):
+    if rounding not in _ELEMENT_ROUNDINGS:
+        raise ValueError(f"rounding: expected one of {_ELEMENT_ROUNDINGS}, got {rounding!r}")
+    if rounding == "nearest" and key is not None:
+        raise ValueError("key: only rounding='stochastic' takes a key, got rounding="
+                         "'nearest' with a key")
 
 
 def _check_qarray(q, name):
@@ -291,21 +314,43 @@ def unprepare(q: QArray) -> QArray:
     return _relayout(q, layout.untile_weight, "linear") if q.scale_layout == "tiled" else q
 
 
+_STES = ("identity", "clipped")
+
+
 def fake_quantize(x, format="nvfp4", *, axis=-1, tensor_scale=None, block_size=None,
-                  scale_rounding="floor", scale_dtype=None):
+                  scale_rounding="floor", scale_dtype=None, ste="identity",
+                  rounding="nearest", key=None):
     """Quantize-dequantize (QDQ) in one pass: ``dequantize(quantize(x, ...), x.dtype)``.
 
     Same arguments and errors as :func:`quantize` (no scale layout: nothing is stored).
-    Gradient: straight-through estimator — the incoming gradient passes where x is finite
-    and inside its block's representable range (|x| <= max element * block scale, which
-    only cuts saturated elements of MX/NVFP4 blocks), and is zero elsewhere.
 
+    Args:
+      ste: the gradient, a straight-through estimator (STE). "identity" (default; the
+        torchao / TransformerEngine convention): the incoming gradient passes wherever x is
+        finite. "clipped": it passes only where x is finite and inside its block's
+        representable range (|x| <= max element * block scale (* tensor scale), which cuts
+        the saturated elements of MX / NVFP4 blocks). Zero elsewhere.
+      rounding, key: as :func:`quantize` ("stochastic": ``dequantize(quantize(x,
+        rounding="stochastic", key=key))``, an unbiased estimate of x).
     Returns:
       array with x's shape and dtype.
+    Raises:
+      as :func:`quantize`; ValueError: ste not "identity" or "clipped".
     """
+    if ste not in _STES:
+        raise ValueError(f"ste: expected one of {_STES}, got {ste!r}")
+    _check_rounding(rounding, key)
     f, x, axis, x2, rest, ts, params = _quantize_args(
         x, format, axis, block_size, tensor_scale, "linear", scale_rounding, scale_dtype)
-    y = primitives.fake_quantize_p.bind(x2, _row_ts(ts, x2.shape[0]), **params)
+    rows, k = x2.shape
+    if rounding == "stochastic":
+        y = stochastic.fake_quantize_sr(
+            x2, _row_ts(ts, rows), stochastic.random_bits(key, rows, k), ste=ste,
+            dequant_params=dict(fmt=f.name, block_size=params["block_size"], k=k,
+                                dtype=x.dtype, two_level=ts is not None,
+                                impl=params["impl"]), **params)
+        return _from_rows(y, rest, axis)
+    y = primitives.fake_quantize_p.bind(x2, _row_ts(ts, rows), ste=ste, **params)
     return _from_rows(y, rest, axis)
 
 

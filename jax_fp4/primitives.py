@@ -280,7 +280,8 @@ _register_lowerings(dequantize_p, "jax_fp4_dequantize_v1", _dequantize_ref,
 fake_quantize_p = Primitive("jax_fp4_fake_quantize")
 
 
-def _fake_quantize_ref(x, ts, *, fmt, block_size, rceil, two_level, scale_dtype, impl):
+def _fake_quantize_ref(x, ts, *, fmt, block_size, rceil, two_level, scale_dtype, impl,
+                       ste="identity"):
     return reference.fake_quantize_2d(x, fmt, block_size, rceil=rceil, scale_dtype=scale_dtype,
                                       tensor_scale=ts if two_level else None)
 
@@ -296,13 +297,16 @@ def _fake_quantize_ffi_attrs(*, fmt, block_size, rceil, two_level, **_):
     return _attrs(fmt, block_size, rceil=rceil, two_level=two_level)
 
 
-def ste_mask(x, ts, **params):
-    """Where the straight-through estimator passes the gradient: finite x inside the
-    representable range of its block, |x| <= max_elem * block scale (* tensor scale).
-    Codebook and INT4 blocks cover their own range, so only non-finite x is cut."""
+def ste_mask(x, ts, *, ste="identity", **params):
+    """Where the straight-through estimator passes the gradient.
+
+    ste="identity" (default; torchao / TransformerEngine): wherever x is finite.
+    ste="clipped": finite x inside the representable range of its block,
+    |x| <= max_elem * block scale (* tensor scale); codebook and INT4 blocks cover their own
+    range, so there too only non-finite x is cut."""
     f = get_format(params["fmt"])
     xf = x.astype(jnp.float32)
-    if f.family not in ("nvfp4", "mx"):
+    if ste == "identity" or f.family not in ("nvfp4", "mx"):
         return jnp.isfinite(xf)
     _, scales, _ = quantize_p.bind(x, ts, swizzled=False, **params)
     r, k = x.shape

@@ -101,8 +101,27 @@ def _shr_rne(hi, lo, sh):
     return q + (above | (tie & ((q & 1) == 1))).astype(U32)
 
 
-def _round_to(sign, hi, lo, e, fmt: MiniFloat):
-    """Round ±(hi + lo/2**24) * 2**e to ``fmt`` (RNE), saturating at ``fmt.max_code``.
+def _shr_stochastic(hi, lo, sh, rand):
+    """Stochastic rounding of (hi + lo/2**24) / 2**sh to an integer: up exactly when
+    ``rand`` < floor(2**32 * the discarded fraction), down otherwise (so up with the
+    fraction's probability, to within 2**-32, for uniform uint32 ``rand``).
+
+    The fraction's top 32 bits are rem * 2**(32 - sh) + lo * 2**(8 - sh) (lo shifted right
+    when sh > 8); hi < 2**24, lo < 2**24, sh clamped to [0, 31] as in :func:`_shr_rne`.
+    """
+    sh = jnp.clip(sh, 0, 31).astype(U32)
+    q = hi >> sh
+    rem = hi & ((jnp.uint32(1) << sh) - 1)
+    rem_part = jnp.where(sh > 0, rem << (jnp.uint32(32) - jnp.maximum(sh, 1)), 0)
+    lo_part = jnp.where(sh <= 8, lo << (jnp.uint32(8) - jnp.minimum(sh, 8)),
+                        lo >> (jnp.maximum(sh, 8) - jnp.uint32(8)))
+    frac32 = rem_part | lo_part  # disjoint bits: rem_part's lowest is 2**(32 - sh)
+    return q + (rand < frac32).astype(U32)
+
+
+def _round_to(sign, hi, lo, e, fmt: MiniFloat, rand=None):
+    """Round ±(hi + lo/2**24) * 2**e to ``fmt`` (RNE, or stochastically on the magnitude
+    with uint32 ``rand``: :func:`_shr_stochastic`), saturating at ``fmt.max_code``.
 
     hi is 0 or normalised to [2**23, 2**24). Returns the code with the sign in the top bit
     (uint32). One mechanism for element encoding, exact power-of-two scaling and products.
@@ -110,20 +129,22 @@ def _round_to(sign, hi, lo, e, fmt: MiniFloat):
     m = fmt.mbits
     top = e + 23  # exponent of hi's leading bit
     e_t = jnp.where(hi == 0, fmt.emin, jnp.maximum(top, fmt.emin))
-    q = _shr_rne(hi, lo, (e_t - m) - e)
+    sh = (e_t - m) - e
+    q = _shr_rne(hi, lo, sh) if rand is None else _shr_stochastic(hi, lo, sh, rand)
     mag = ((e_t + fmt.bias - 1).astype(U32) << m) + q
     mag = jnp.minimum(mag, jnp.uint32(fmt.max_code))
     return mag | (sign.astype(U32) << (fmt.bits - 1))
 
 
-def encode(b, fmt: MiniFloat, k=0):
-    """Code of (float32 bits ``b``) * 2**k in the minifloat ``fmt``: RNE, saturating.
+def encode(b, fmt: MiniFloat, k=0, rand=None):
+    """Code of (float32 bits ``b``) * 2**k in the minifloat ``fmt``: RNE (or stochastic
+    rounding with uint32 ``rand`` of b's shape), saturating.
 
     Finite inputs only (callers mask non-finite blocks). The sign is kept (-0.0 -> sign
     bit set), so a negative value that rounds to zero gives the negative-zero code.
     """
     sig, e = _decompose(b & 0x7FFFFFFF)
-    return _round_to(b >> 31, sig, jnp.uint32(0), e + k, fmt)
+    return _round_to(b >> 31, sig, jnp.uint32(0), e + k, fmt, rand)
 
 
 def _ldexp(v, k):
@@ -290,7 +311,8 @@ def _scale_buffer_dtype(f: Format, scale_dtype):
     return jnp.dtype(jnp.float32) if f.family == "codebook" else jnp.dtype(jnp.uint8)
 
 
-def quantize_2d(x, fmt, block_size, *, tensor_scale=None, rceil=False, scale_dtype=None):
+def quantize_2d(x, fmt, block_size, *, tensor_scale=None, rceil=False, scale_dtype=None,
+                rand=None):
     """Quantize the canonical 2-D view, returning the FFI buffers (csrc/README.md).
 
     Args:
@@ -301,6 +323,12 @@ def quantize_2d(x, fmt, block_size, *, tensor_scale=None, rceil=False, scale_dty
         (the per-tensor scale broadcast to rows).
       rceil: MX only: scale rounding "rceil" instead of "floor".
       scale_dtype: INT4 only: dtype of the group scales (default x.dtype).
+      rand: None (round to nearest even) or (R, K) uint32 random bits: stochastic rounding
+        of the elements (block scales are chosen as always). Element i rounds away from
+        the lower neighbour exactly when rand[i] < floor(2**32 * t), t in [0, 1) its
+        position between the two neighbours on the scaled grid (minifloats: the discarded
+        bits of x * 1/scale, :func:`_shr_stochastic`; INT4: the fraction of x / s;
+        codebooks: (v - lo) / (hi - lo) of v = x / absmax, correctly rounded).
     Returns:
       codes: (R, K*bits/8) uint8, packed little-endian (float8 bytes for MXFP8).
       scales: (R, K/block_size): uint8 bits of E4M3 (nvfp4) or E8M0 (MX), float32 absmax
@@ -315,17 +343,18 @@ def quantize_2d(x, fmt, block_size, *, tensor_scale=None, rceil=False, scale_dty
     if x.size == 0:
         return _empty_outputs(f, r, k, block_size, scale_dtype)
     xb = _blocks(x, block_size)
+    rb = None if rand is None else jnp.asarray(rand, U32).reshape(xb.shape)
     amax_b = jnp.max(xb & 0x7FFFFFFF, axis=-1)  # integer max: exact, NaN/Inf visible
     bad = amax_b >= 0x7F800000
     zeros = jnp.zeros((0,), jnp.uint8)
     if f.family == "nvfp4":
-        codes, scales = _quantize_nvfp4(xb, amax_b, tensor_scale)
+        codes, scales = _quantize_nvfp4(xb, amax_b, tensor_scale, rb)
     elif f.family == "mx":
-        codes, scales = _quantize_mx(xb, amax_b, f.elem, rceil)
+        codes, scales = _quantize_mx(xb, amax_b, f.elem, rceil, rb)
     elif f.family == "codebook":
-        codes, scales = _quantize_codebook(xb, amax_b, f.table)
+        codes, scales = _quantize_codebook(xb, amax_b, f.table, rb)
     else:
-        codes, scales, zeros = _quantize_int4(xb, jnp.dtype(scale_dtype))
+        codes, scales, zeros = _quantize_int4(xb, jnp.dtype(scale_dtype), rb)
         zeros = jnp.where(bad, 0, zeros).astype(jnp.uint8)
     nan_scale = {"nvfp4": 0x7F, "mx": 0xFF}.get(f.family, np.nan)
     scales = jnp.where(bad, jnp.asarray(nan_scale, scales.dtype), scales)
@@ -333,7 +362,7 @@ def quantize_2d(x, fmt, block_size, *, tensor_scale=None, rceil=False, scale_dty
     return layout.pack(codes.reshape(r, k), f.bits), scales, zeros
 
 
-def _quantize_nvfp4(xb, amax_b, tensor_scale):
+def _quantize_nvfp4(xb, amax_b, tensor_scale, rand=None):
     amax = _float(amax_b)
     if tensor_scale is None:
         s_f = jnp.clip(_div(amax, 6.0), F32(2.0 ** -6), F32(448.0))
@@ -344,7 +373,7 @@ def _quantize_nvfp4(xb, amax_b, tensor_scale):
     s = _decode_minifloat(s_code, E4M3)
     recip = _div(1.0, s) if tensor_scale is None else _div(_div(1.0, pts), s)
     p = _bits(_mul_exact(_float(xb), recip[..., None]))
-    codes = encode((p & 0x7FFFFFFF) | (xb & jnp.uint32(0x80000000)), E2M1)  # sign of x, also for -0.0
+    codes = encode((p & 0x7FFFFFFF) | (xb & jnp.uint32(0x80000000)), E2M1, rand=rand)  # sign of x, also for -0.0
     s_code = s_code.astype(jnp.uint8)
     if tensor_scale is not None:
         valid = jnp.isfinite(pts) & (pts >= F32(TENSOR_SCALE_MIN))
@@ -353,9 +382,9 @@ def _quantize_nvfp4(xb, amax_b, tensor_scale):
     return codes, s_code
 
 
-def _quantize_mx(xb, amax_b, mf: MiniFloat, rceil):
+def _quantize_mx(xb, amax_b, mf: MiniFloat, rceil, rand=None):
     code = _e8m0_rceil(amax_b, mf) if rceil else _e8m0_floor(amax_b, mf.emax)
-    return encode(xb, mf, (127 - code)[..., None]), code.astype(jnp.uint8)
+    return encode(xb, mf, (127 - code)[..., None], rand), code.astype(jnp.uint8)
 
 
 @functools.lru_cache(maxsize=None)
@@ -382,19 +411,40 @@ def bucketize(scaled, table):
     return jnp.asarray(order)[idx]
 
 
-def _quantize_codebook(xb, amax_b, table):
+def _quantize_codebook(xb, amax_b, table, rand=None):
     absmax = _float(amax_b)
     a = _float(jnp.maximum(amax_b, _bits(jnp.float32(1e-38))))  # integer max: exact
     recip = _div(1.0, a)
     scaled = _mul_exact(_float(xb), recip[..., None])  # clamp(-1, 1) is implied by bucketize
-    return bucketize(scaled, table), absmax
+    if rand is None:
+        return bucketize(scaled, table), absmax
+    return _codebook_stochastic(scaled, table, rand), absmax
+
+
+def _codebook_stochastic(v, table, rand):
+    """Stochastic rounding of v in [-1, 1] between its two codebook neighbours lo <= v <
+    hi: hi exactly when rand < floor(2**32 * _div(v - lo, hi - lo)) (v == lo, and v at
+    the top entry, stay)."""
+    tab = np.asarray(table, np.float32)
+    order = np.argsort(tab, kind="stable")
+    srt = jnp.asarray(tab[order])
+    keys = _ordered_key(_bits(jnp.asarray(tab[order])))
+    kv = _ordered_key(_bits(v))
+    i = jnp.clip(jnp.sum(kv[..., None] >= keys, axis=-1) - 1, 0, len(tab) - 1)  # lo index
+    j = jnp.minimum(i + 1, len(tab) - 1)
+    lo, hi = srt[i], srt[j]
+    t = _div(v - lo, jnp.where(j > i, hi - lo, F32(1.0)))
+    thr = jnp.where(t >= 1.0, jnp.uint32(0xFFFFFFFF),
+                    _ldexp(jnp.clip(t, 0.0, 1.0), 32).astype(jnp.uint32))
+    up = (j > i) & (rand < thr)
+    return jnp.asarray(order.astype(np.uint8))[jnp.where(up, j, i)]
 
 
 INT4_WIDE_RANGE = 2.0 ** 127  # blocks with max - min >= this take the wide-block rule
 _F16_MAX = 65504.0
 
 
-def _quantize_int4(xb, scale_dtype):
+def _quantize_int4(xb, scale_dtype, rand=None):
     """AutoAWQ min/max rule, plus the wide-block rule (docs/spec-int4-overflow.md).
 
     Normal block (max - min < 2**127 in float32): s = max(max - min, 1e-5) / 15 rounded to
@@ -402,7 +452,8 @@ def _quantize_int4(xb, scale_dtype):
     z = clip(-rint(min / s), 0, 15). Wide block (max - min >= 2**127 or overflowing):
     s = max(max, -min) / 8 rounded toward zero to scale_dtype (float16: 65504), z = 8 if
     -min >= max else 7, so that every code decodes to a finite (q - z) * s, |q - z| <= 8.
-    Either way q = clip(rint(x / s) + z, 0, 15).
+    Either way q = clip(rint(x / s) + z, 0, 15), or with `rand` (uint32 per element)
+    stochastic rounding: floor(x / s) + 1 exactly when rand < floor(2**32 * frac).
     """
     key = _ordered_key(xb)
     mn = _float(_from_ordered_key(jnp.min(key, axis=-1)))
@@ -429,7 +480,13 @@ def _quantize_int4(xb, scale_dtype):
     z_norm = jnp.clip(-jnp.round(_div(mn[..., None], s)), 0, 15)
     z_wide = jnp.where(-mn >= mx, F32(8.0), F32(7.0))[..., None]
     z = jnp.where(wide[..., None], z_wide, z_norm)
-    q = jnp.clip(jnp.round(_div(_float(xb), s)) + z, 0, 15)
+    v = _div(_float(xb), s)
+    if rand is None:
+        r = jnp.round(v)
+    else:  # floor + 1 exactly when rand < floor(2**32 * frac); frac * 2**32 is exact
+        fl = jnp.floor(v)
+        r = fl + (rand < _ldexp(v - fl, 32).astype(jnp.uint32)).astype(F32)
+    q = jnp.clip(r + z, 0, 15)
     return q.astype(jnp.uint8), s_store, z[..., 0].astype(jnp.uint8)
 
 
@@ -469,9 +526,10 @@ def dequantize_2d(codes, scales, zeros, fmt, block_size, k, dtype, *, tensor_sca
     return round_f32_to(y.reshape(r, k), dtype)
 
 
-def fake_quantize_2d(x, fmt, block_size, *, tensor_scale=None, rceil=False, scale_dtype=None):
+def fake_quantize_2d(x, fmt, block_size, *, tensor_scale=None, rceil=False, scale_dtype=None,
+                     rand=None):
     """QDQ: dequantize(quantize(x)) in x's dtype, (R, K) -> (R, K)."""
     codes, scales, zeros = quantize_2d(x, fmt, block_size, tensor_scale=tensor_scale,
-                                       rceil=rceil, scale_dtype=scale_dtype)
+                                       rceil=rceil, scale_dtype=scale_dtype, rand=rand)
     return dequantize_2d(codes, scales, zeros, fmt, block_size, x.shape[1], x.dtype,
                          tensor_scale=tensor_scale)

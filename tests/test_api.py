@@ -162,10 +162,30 @@ def test_scan_over_stacked_qarray(rng):
         assert_matmul_close(ys[i], x, qi.dequantize(), msg=f"layer {i}")
 
 
-def test_grad_fake_quantize_is_ste(rng):
+def test_grad_fake_quantize_default_ste_is_identity_where_finite(rng):
+    """Default STE (torchao / TransformerEngine): d fake_quantize(x).sum() / dx == 1 wherever
+    x is finite, in every format, including a block's largest elements that the E4M3 /
+    E8M0 scale saturates; zero at NaN / Inf."""
+    x = jnp.asarray(rng.standard_normal((8, 128)), jnp.float32)
+    for fmt in FORMAT_NAMES:
+        g = jax.grad(lambda v: jf.fake_quantize(v, fmt).sum())(x)
+        np.testing.assert_array_equal(np.asarray(g), np.ones(x.shape, np.float32), err_msg=fmt)
+    xn = x.at[0, 3].set(jnp.nan).at[1, 5].set(jnp.inf).at[2, 7].set(-jnp.inf)
+    for fmt in ("nvfp4", "mxfp4", "nf4"):
+        g = np.asarray(jax.grad(lambda v: jf.fake_quantize(v, fmt).sum())(xn))
+        want = np.isfinite(np.asarray(xn)).astype(np.float32)
+        np.testing.assert_array_equal(g, want, err_msg=fmt)
+    # the clipped rule cuts some saturated elements here, so the two really differ
+    gc = jax.grad(lambda v: jf.fake_quantize(v, "nvfp4", ste="clipped").sum())(x)
+    assert (np.asarray(gc) == 0).sum() > 0
+    with pytest.raises(ValueError, match="ste"):
+        jf.fake_quantize(x, ste="round")
+
+
+def test_grad_fake_quantize_clipped_ste(rng):
     x = jnp.asarray(rng.standard_normal((4, 64)), jnp.float32)
     for fmt in ("nvfp4", "mxfp4", "nf4"):
-        g = jax.grad(lambda v: jnp.sum(jf.fake_quantize(v, fmt) * 3.0))(x)
+        g = jax.grad(lambda v: jnp.sum(jf.fake_quantize(v, fmt, ste="clipped") * 3.0))(x)
         q = jf.quantize(x, fmt)
         if fmt == "nf4":
             want = np.full(x.shape, 3.0, np.float32)
@@ -176,8 +196,10 @@ def test_grad_fake_quantize_is_ste(rng):
         np.testing.assert_array_equal(np.asarray(g), want)
     # MX floor saturates the block maximum when it is above max_elem * scale: cut there
     x = jnp.zeros((1, 32)).at[0, 0].set(7.9)
-    g = jax.grad(lambda v: jnp.sum(jf.fake_quantize(v, "mxfp4")))(x)
+    g = jax.grad(lambda v: jnp.sum(jf.fake_quantize(v, "mxfp4", ste="clipped")))(x)
     assert float(g[0, 0]) == 0.0 and float(g[0, 1]) == 1.0
+    g = jax.grad(lambda v: jnp.sum(jf.fake_quantize(v, "mxfp4")))(x)
+    assert float(g[0, 0]) == 1.0
 
 
 def test_grad_matmul_wrt_activations(rng):

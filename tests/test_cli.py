@@ -301,3 +301,12 @@ def test_demo_refuses_quantized_checkpoint(tmp_path, capsys):
                  "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "quantized to nf4" in err and "float checkpoint" in err and str(tmp_path) in err
+
+
+def test_finetune_parser_defaults():
+    from jax_fp4.cli import build_parser
+
+    a = build_parser().parse_args(["finetune"])
+    assert a.formats == ["nvfp4", "nf4"] and a.rank == 8 and a.steps == 200
+    a = build_parser().parse_args(["finetune", "--formats", "nf4", "--rank", "4", "--json"])
+    assert a.formats == ["nf4"] and a.rank == 4 and a.json
