@@ -16,6 +16,7 @@ from jax import lax
 from . import layout, primitives, reference
 from .formats import get_format
 from .qarray import QArray
+from .sharding import with_out_sharding
 
 _FLOAT_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 _ROUNDINGS = ("floor", "rceil")
@@ -346,8 +347,8 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
       lhs, rhs: arrays or QArrays (not both QArrays: use :func:`scaled_matmul`).
       dimension_numbers, precision, preferred_element_type, out_sharding: as
         ``lax.dot_general`` (Flax NNX passes ``out_sharding``: a NamedSharding, or a
-        PartitionSpec under ``jax.set_mesh``; with a QArray weight the result is resharded
-        to it, ``jax.sharding.reshard``).
+        PartitionSpec under ``jax.set_mesh``; with a QArray weight the result is laid out
+        as it, jax_fp4.sharding.with_out_sharding).
     Returns:
       as ``lax.dot_general`` on the dequantized operands; dtype
       ``preferred_element_type`` or the promoted dtype of the operands.
@@ -372,7 +373,7 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
     out_dtype = np.dtype(preferred_element_type or jnp.result_type(other.dtype, q.dtype))
     if rq and q.ndim == 2 and not lb and not rb and len(rc) == 1 and other.ndim >= 1:
         y = _weight_matmul(other, q, int(lc[0]) % other.ndim, precision, out_dtype)
-        return y if out_sharding is None else jax.sharding.reshard(y, out_sharding)
+        return with_out_sharding(y, out_sharding)
     w = dequantize(q, other.dtype if other.dtype in _FLOAT_DTYPES else q.dtype)
     args = (other, w) if rq else (w, other)
     kw = {} if out_sharding is None else {"out_sharding": out_sharding}

@@ -13,12 +13,12 @@ import re
 from typing import Any, Optional
 
 import jax
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from .qarray import QArray
 
 __all__ = ["qarray_partition_specs", "quantized_specs", "tensor_parallel_specs",
-           "MEGATRON_COLUMN", "MEGATRON_ROW"]
+           "with_out_sharding", "MEGATRON_COLUMN", "MEGATRON_ROW"]
 
 #: Llama / Mistral / Qwen layer names (Hugging Face) of Megatron's column-parallel layers:
 #: attention q/k/v and MLP gate/up projections (output features sharded)
@@ -142,3 +142,24 @@ def tensor_parallel_specs(tree, axis: str = "model", *, column: str = MEGATRON_C
         return qarray_partition_specs(out, leaf) if isinstance(leaf, QArray) else out
 
     return jax.tree_util.tree_map_with_path(spec, tree, is_leaf=lambda x: isinstance(x, QArray))
+
+
+def with_out_sharding(y, out_sharding):
+    """``y`` laid out as ``out_sharding`` (the ``out_sharding=`` of ``lax.dot_general``).
+
+    Args:
+      y: array.
+      out_sharding: None (``y`` unchanged), a NamedSharding, or a PartitionSpec under a
+        mesh context (``jax.set_mesh``).
+    Returns:
+      ``jax.sharding.reshard(y, out_sharding)`` where the mesh has Explicit axes (the
+      sharding becomes part of y's type), ``jax.lax.with_sharding_constraint`` where all
+      its axes are Auto.
+    """
+    if out_sharding is None:
+        return y
+    mesh = (out_sharding.mesh if isinstance(out_sharding, NamedSharding)
+            else jax.sharding.get_abstract_mesh())
+    if all(t == AxisType.Auto for t in mesh.axis_types):
+        return jax.lax.with_sharding_constraint(y, out_sharding)
+    return jax.sharding.reshard(y, out_sharding)

@@ -33,6 +33,7 @@ from flax.nnx.nn.linear import default_bias_init, default_kernel_init
 from .. import ops
 from ..formats import get_format
 from ..qarray import QArray
+from ..sharding import with_out_sharding
 from . import params as P
 
 __all__ = ["QuantizedLinear", "QuantStat", "quantize_model", "calibrate", "activation_amax",
@@ -163,9 +164,8 @@ class QuantizedLinear(nnx.Module):
 
     def __call__(self, inputs, out_sharding=None):
         """y = inputs @ kernel (+ bias); ``out_sharding`` (as ``nnx.Linear``): the result
-        resharded to it (``jax.sharding.reshard``)."""
-        y = self._apply(inputs)
-        return y if out_sharding is None else jax.sharding.reshard(y, out_sharding)
+        laid out as it (jax_fp4.sharding.with_out_sharding)."""
+        return with_out_sharding(self._apply(inputs), out_sharding)
 
     def _apply(self, inputs):
         kernel = self.kernel.get_value()
