@@ -72,7 +72,7 @@ from jax._src.lib.mlir import ir
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from . import reference
 from .formats import get_format
@@ -391,3 +391,44 @@ def register(prim: Primitive, local: Primitive) -> None:
 
     mlir.register_lowering(prim, mlir.lower_fun(lowered, multiple_results=prim.multiple_results))
     dispatch.prim_requires_devices_during_lowering.add(prim)
+    prim.abstract_eval = _typed_abstract_eval(name, prim.abstract_eval)
+
+
+def explicit_sharding(aval):
+    """``aval``'s sharding where its mesh has Explicit axes (sharding in types), else None:
+    the ``out_sharding`` a ``lax.dot_general`` inside a rule gives a result typed as
+    ``aval`` (an N-sharded cotangent contracted with an N-sharded weight, whose output
+    sharding is otherwise ambiguous)."""
+    s = getattr(aval, "sharding", None)
+    if s is None or s.mesh.empty or AxisType.Explicit not in tuple(s.mesh.axis_types):
+        return None
+    return s
+
+
+def _typed_abstract_eval(name, abstract_eval):
+    """``abstract_eval`` whose results carry the sharding the rule gives them where the
+    operands are sharded over Explicit mesh axes (sharding in types, ``jax.set_mesh`` with
+    ``AxisType.Explicit``); elsewhere the results are as ``abstract_eval`` gives them."""
+
+    def rule(*avals, **params):
+        outs, effects = abstract_eval(*avals, **params)
+        meshes = {a.sharding.mesh for a in avals
+                  if getattr(a, "sharding", None) is not None and not a.sharding.mesh.empty
+                  and any(t == AxisType.Explicit for t in a.sharding.mesh.axis_types)}
+        if len(meshes) != 1:
+            return outs, effects
+        mesh, = meshes
+        multiple = isinstance(outs, (list, tuple))
+        out_list = list(outs) if multiple else [outs]
+        layout = _LAYOUTS[name](params, _shapes(avals), _shapes(out_list))
+        sizes = layout.factor_sizes(_shapes(avals), _shapes(out_list))
+        explicit = {n for n, t in zip(mesh.axis_names, mesh.axis_types)
+                    if t == AxisType.Explicit}
+        specs = [P(*(tuple(a for a in _spec_axes(e) if a in explicit) or None for e in
+                   a.sharding.spec)) for a in avals]
+        chosen = _choose(layout, sizes, mesh, [NamedSharding(mesh, sp) for sp in specs])
+        out_list = [o.update(sharding=NamedSharding(mesh, sp))
+                    for o, sp in zip(out_list, _specs(layout.outs, chosen))]
+        return (out_list if multiple else out_list[0]), effects
+
+    return rule

@@ -429,7 +429,8 @@ def _wmatmul_transpose(ct, x, codes, scales, zeros, ts, **params):
                           dtype=x.aval.dtype, two_level=params["two_level"],
                           impl=params["impl"])
     ctx = lax.dot_general(ct.astype(x.aval.dtype), w, (((1,), (0,)), ((), ())),
-                          precision=params["precision"], preferred_element_type=jnp.float32)
+                          precision=params["precision"], preferred_element_type=jnp.float32,
+                          out_sharding=partitioning.explicit_sharding(x.aval))
     return [ctx.astype(x.aval.dtype), None, None, None, None]
 
 

@@ -295,6 +295,35 @@ def test_dot_general_out_sharding():
             assert jax.typeof(y2).sharding.spec == P("data", None)
 
 
+def test_explicit_axes_results_are_typed_sharded():
+    # sharding in types (jax.set_mesh over Explicit axes): each op's result type carries
+    # the rule's sharding, so nothing is gathered to match a replicated type
+    explicit = Mesh(MESH.devices, MESH.axis_names, axis_types=(AxisType.Explicit,) * 2)
+    x, w = _x((32, 512), 1), _x((512, 128), 2)
+    q = jf.quantize(w, "nvfp4", axis=0, tensor_scale="auto")
+
+    def fwd(x, qc, qr, relayout=lambda x: x):
+        col = jf.matmul(jf.fake_quantize(x, "nvfp4", tensor_scale="auto"), qc)
+        row = jf.matmul(relayout(x), qr)
+        dx = jax.grad(lambda x: jnp.sum(jf.matmul(x, qc)))(x)
+        return col, row, dx
+
+    with jax.set_mesh(explicit):
+        args = (put(x, P("data", None), explicit),
+                put(q, qarray_partition_specs(P(None, "model"), q), explicit),
+                put(q, qarray_partition_specs(P("model", None), q), explicit))
+        f = jax.jit(lambda *a: fwd(*a, lambda x: jax.sharding.reshard(x, P("data", "model"))))
+        col, row, dx = f(*args)
+        found = collectives(f, *args)
+    assert jax.typeof(col).sharding.spec == P("data", "model")
+    assert jax.typeof(row).sharding.spec == P("data", None)
+    assert jax.typeof(dx).sharding.spec == P("data", None)
+    assert not [c for c in found if c[0] != "all-reduce"], found
+    ref = jax.jit(fwd)(*on_cpu(args))
+    for got, want in zip((col, row, dx), ref):
+        _close(got, want)
+
+
 # ------------------------------------------------------------------------ models
 def test_nnx_sharded_model_quantizes_into_sharded_model():
     nnx = pytest.importorskip("flax.nnx")
