@@ -10,7 +10,7 @@ rules (:mod:`jax_fp4.partitioning`) then run on each device's blocks without gat
 from __future__ import annotations
 
 import re
-from typing import Any, Optional
+from typing import Any
 
 import jax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P

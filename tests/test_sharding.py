@@ -116,8 +116,8 @@ def test_quantize_dequantize_fake_quantize_stay_sharded(fmt, block_size, ts, cas
     assert_bit_equal(got, f(*on_cpu((x, q_in))))
     q, fq, dq = got
     # results stay sharded as their input, the QArray as qarray_partition_specs says
-    want = qarray_partition_specs(spec, q)
-    for leaf, s in zip(jax.tree.leaves(q), jax.tree.leaves(want, is_leaf=lambda v: isinstance(v, P))):
+    want = jax.tree.leaves(qarray_partition_specs(spec, q), is_leaf=lambda v: isinstance(v, P))
+    for leaf, s in zip(jax.tree.leaves(q), want):
         assert leaf.sharding.is_equivalent_to(NamedSharding(mesh, s), leaf.ndim), (leaf.sharding, s)
     for y in (fq, dq):
         assert y.sharding.is_equivalent_to(NamedSharding(mesh, spec), 2), y.sharding
@@ -334,11 +334,11 @@ def test_nnx_sharded_model_quantizes_into_sharded_model():
 
     class MLP(nnx.Module):
         def __init__(self, rngs):
-            self.up = nnx.Linear(256, 512, kernel_init=nnx.with_partitioning(init, (None, "model")),
-                                 bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(),
-                                                                 ("model",)), rngs=rngs)
-            self.down = nnx.Linear(512, 256, kernel_init=nnx.with_partitioning(init, ("model", None)),
-                                   rngs=rngs)
+            part = nnx.with_partitioning
+            self.up = nnx.Linear(256, 512, kernel_init=part(init, (None, "model")),
+                                 bias_init=part(nnx.initializers.zeros_init(), ("model",)),
+                                 rngs=rngs)
+            self.down = nnx.Linear(512, 256, kernel_init=part(init, ("model", None)), rngs=rngs)
 
         def __call__(self, x):
             return self.down(jax.nn.relu(self.up(x)))
