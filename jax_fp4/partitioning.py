@@ -64,12 +64,11 @@ import math
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src import dispatch
-from jax._src.custom_partitioning_sharding_rule import (ArrayMapping, CompoundFactor,
-                                                         SdyShardingRule)
-from jax._src.lib.mlir import ir
-from jax.experimental.custom_partitioning import custom_partitioning
+from jax._src import dispatch  # prim_requires_devices_during_lowering: no public API
+from jax.experimental.custom_partitioning import (ArrayMapping, CompoundFactor,
+                                                  SdyShardingRule, custom_partitioning)
 from jax.extend.core import Primitive
+from jax.extend.mlir import ir
 from jax.interpreters import mlir
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
