@@ -17,15 +17,18 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from .qarray import QArray
 
-__all__ = ["qarray_partition_specs", "quantized_specs", "tensor_parallel_specs",
-           "with_out_sharding", "MEGATRON_COLUMN", "MEGATRON_ROW"]
+__all__ = ["qarray_partition_specs", "shard_qarray", "named_shardings", "quantized_specs",
+           "tensor_parallel_specs", "with_out_sharding", "MEGATRON_COLUMN", "MEGATRON_ROW"]
 
-#: Llama / Mistral / Qwen layer names (Hugging Face) of Megatron's column-parallel layers:
-#: attention q/k/v and MLP gate/up projections (output features sharded)
-MEGATRON_COLUMN = r"(^|\.)(q_proj|k_proj|v_proj|gate_proj|up_proj)(\.|$)"
-#: ... and of its row-parallel layers: attention output and MLP down projections
-#: (input features sharded, partial sums all-reduced)
-MEGATRON_ROW = r"(^|\.)(o_proj|down_proj)(\.|$)"
+#: Layer names of Megatron's column-parallel layers (output features sharded): attention
+#: q/k/v and MLP gate/up projections, as Hugging Face Llama / Mistral / Qwen name them
+#: (q_proj, ..., fused qkv_proj, gate_up_proj), Meta's Llama (wq, wk, wv; w1 gate, w3 up)
+#: and w_gate / w_up
+MEGATRON_COLUMN = (r"(^|\.)(q_proj|k_proj|v_proj|qkv_proj|gate_proj|up_proj|gate_up_proj"
+                   r"|wq|wk|wv|w1|w3|w_gate|w_up)(\.|$)")
+#: ... and of its row-parallel layers (input features sharded, partial sums all-reduced):
+#: attention output and MLP down projections (o_proj, down_proj; Meta's wo, w2; w_down)
+MEGATRON_ROW = r"(^|\.)(o_proj|down_proj|wo|w2|w_down)(\.|$)"
 
 
 def _entries(spec, ndim):
@@ -78,6 +81,23 @@ def qarray_partition_specs(spec, q: QArray) -> QArray:
 
 def _is_spec_leaf(x):
     return x is None or isinstance(x, (P, QArray))
+
+
+def named_shardings(mesh, specs):
+    """A pytree of PartitionSpecs (None: replicated; QArrays of specs included) as
+    NamedShardings on ``mesh``, for ``jax.device_put`` or ``jax.jit``'s shardings."""
+    def named(s):
+        if isinstance(s, QArray):  # its absent leaves (None) stay absent
+            return jax.tree.map(lambda leaf: NamedSharding(mesh, leaf), s)
+        return NamedSharding(mesh, P() if s is None else s)
+
+    return jax.tree.map(named, specs, is_leaf=_is_spec_leaf)
+
+
+def shard_qarray(q: QArray, mesh, spec) -> QArray:
+    """``q`` placed on ``mesh`` as its float array would be with ``spec``: ``jax.device_put``
+    of each leaf with :func:`qarray_partition_specs` (spec, q). Raises as that function."""
+    return jax.device_put(q, named_shardings(mesh, qarray_partition_specs(spec, q)))
 
 
 def quantized_specs(specs, qtree):

@@ -373,7 +373,9 @@ def test_tensor_parallel_specs_megatron_layout():
         "mlp": {"gate_proj": {"kernel": jnp.zeros((64, 256)), "bias": jnp.zeros((256,))},
                 "up_proj": {"kernel": jnp.zeros((64, 256))},
                 "down_proj": {"kernel": jnp.zeros((256, 64))}},
-        "input_layernorm": {"weight": jnp.zeros((64,))}}}}
+        "input_layernorm": {"weight": jnp.zeros((64,))},
+        "attn": {"wq": {"kernel": jnp.zeros((64, 128))}, "wo": {"kernel": jnp.zeros((128, 64))}},
+    }}}
     specs = tensor_parallel_specs(tree, "model")
     layer = specs["layers"]["0"]
     # torch layout (out, in): column shards out (axis 0), row shards in (axis 1)
@@ -385,6 +387,8 @@ def test_tensor_parallel_specs_megatron_layout():
     assert layer["mlp"]["gate_proj"]["bias"] == P("model")
     assert layer["mlp"]["down_proj"]["kernel"] == P("model", None)
     assert layer["input_layernorm"]["weight"] is None
+    assert layer["attn"]["wq"]["kernel"] == P(None, "model")
+    assert layer["attn"]["wo"]["kernel"] == P("model", None)
     # on a quantized tree: QArrays of specs, the blocked axis last
     qtree = jf.nn.quantize_params(tree, "nvfp4")
     qspecs = tensor_parallel_specs(qtree, "model")
@@ -394,6 +398,24 @@ def test_tensor_parallel_specs_megatron_layout():
     assert qd.data == P(None, "model") and qd.scales == P(None, "model")
     qg = qspecs["layers"]["0"]["mlp"]["gate_proj"]["kernel"]
     assert qg.data == P("model", None)
+
+
+def test_shard_qarray_and_named_shardings_place_every_leaf():
+    from jax_fp4.sharding import named_shardings, shard_qarray
+
+    for ts in (None, "auto"):  # one-level nvfp4 has no tensor-scale leaf
+        q = jf.quantize(_x((512, 64), 1), "nvfp4", axis=0, tensor_scale=ts)
+        qs = shard_qarray(q, MESH, P(None, "model"))
+        assert qs.data.sharding.spec == P("model", None)
+        assert qs.scales.sharding.spec == P("model", None)
+        assert (qs.tensor_scale is None) == (ts is None)
+        assert_bit_equal(qs, q)
+    tree = {"w": {"kernel": _x((512, 64), 2)}, "norm": {"scale": jnp.ones((64,))}}
+    qtree = jf.nn.quantize_params(tree, "int4", block_size=64)
+    placed = jax.device_put(qtree, named_shardings(MESH, tensor_parallel_specs(
+        qtree, "model", column=r"^w\.")))
+    assert placed["w"]["kernel"].zeros.sharding.spec == P("model", None)
+    assert placed["norm"]["scale"].sharding.spec == P()
 
 
 def test_qarray_partition_specs_errors():
