@@ -50,6 +50,11 @@ A sharding outside these rules (K not at whole blocks, M and N on the same mesh 
 sharded dimension that does not divide) is dropped for that factor: the partitioner
 reshards the operand first, which is correct, but communicates.
 
+Sharding in types: over Explicit mesh axes (``jax.set_mesh`` with ``AxisType.Explicit``)
+each primitive's result type carries the sharding this rule gives it
+(:func:`_typed_abstract_eval`), so the program never gathers a result to match a
+replicated type.
+
 Limits: the mesh must be known when the function lowers -- a ``jax.sharding.Mesh`` of
 ``NamedSharding`` s on the arguments, or a ``with mesh`` / ``jax.set_mesh`` context;
 otherwise the op runs replicated. The primitives need concrete devices to lower
