@@ -387,6 +387,44 @@ def test_nnx_sharded_model_quantizes_into_sharded_model():
     _close(fwd(qstate, xs), fwd(on_cpu(qstate), on_cpu(x)))
 
 
+def test_linen_logical_axis_rules_shard_the_quantized_model():
+    nn = pytest.importorskip("flax.linen")
+    from jax_fp4.nn import flax as jff
+    from jax_fp4.nn import quantize_params
+    from jax_fp4.sharding import named_shardings
+
+    init = nn.initializers.lecun_normal()
+
+    class MLP(nn.Module):
+        dense: type = nn.Dense
+        logical: bool = True
+
+        @nn.compact
+        def __call__(self, x):
+            def kw(axes):
+                return ({"kernel_init": nn.with_logical_partitioning(init, axes)}
+                        if self.logical else {"format": "nvfp4"})
+
+            x = nn.relu(self.dense(512, name="up", **kw(("embed", "mlp")))(x))
+            return self.dense(256, name="down", **kw(("mlp", "embed")))(x)
+
+    x = _x((16, 256), 4)
+    boxed = MLP().init(jax.random.key(0), x)
+    rules = (("embed", None), ("mlp", "model"))
+    specs = nn.logical_to_mesh(nn.get_partition_spec(boxed), rules)
+    params = jax.device_put(nn.meta.unbox(boxed), named_shardings(MESH, specs))
+    quantize = lambda v: quantize_params(v, "nvfp4")  # noqa: E731
+    qspecs = quantized_specs(specs, jax.eval_shape(quantize, params))
+    qv = jax.jit(quantize, out_shardings=named_shardings(MESH, qspecs))(params)
+    assert qv["params"]["up"]["kernel"].data.sharding.spec == P("model", None)
+    assert qv["params"]["down"]["kernel"].data.sharding.spec == P(None, "model")
+
+    fwd = jax.jit(lambda v, x: MLP(dense=jff.QuantizedDense, logical=False).apply(v, x))
+    xs = put(x, P("data", None))
+    _expect(collectives(fwd, qv, xs), "f32[8,256]{1,0}")  # the row-parallel "down" only
+    _close(fwd(qv, xs), fwd(on_cpu(qv), on_cpu(x)))
+
+
 def test_tensor_parallel_specs_megatron_layout():
     tree = {"layers": {"0": {
         "self_attn": {n: {"weight": jnp.zeros((128, 64))} for n in ("q_proj", "k_proj", "v_proj")}
