@@ -105,8 +105,8 @@ def quantized_specs(specs, qtree):
 
     Args:
       specs: the float tree's PartitionSpecs (a pytree of PartitionSpec / None with the
-        float tree's structure, e.g. ``nnx.get_partition_spec(nnx.state(model))`` or
-        ``flax.linen.logical_to_mesh_axes`` of Linen's logical specs).
+        float tree's structure, e.g. ``nnx.get_partition_spec(nnx.state(model))`` or, for
+        Linen, ``nn.logical_to_mesh(nn.get_partition_spec(variables), rules)``).
       qtree: the quantized tree (:func:`jax_fp4.nn.quantize_params` of the float tree):
         QArrays where the float tree had the quantized kernels.
     Returns:
