@@ -119,29 +119,27 @@ def _code_bytes(f, block_size):
     return nbits // 8 if nbits % 8 == 0 else None
 
 
-def _blocked(f, block_size, nb):
+def _blocked(f, block_size):
     """Entries of the blocked axis for x, codes and scales, and the fixed factors: K may
-    shard where a block's codes are whole bytes."""
+    shard where a block's codes are whole bytes (else the codes' axis is not K's blocks,
+    and K never shards)."""
     cb = _code_bytes(f, block_size)
-    fixed = () if cb else ("k",)
-    return ("k", block_size), ("k", cb or 1), ("k", 1), fixed
+    return ("k", block_size), ("k", cb) if cb else None, ("k", 1), () if cb else ("k",)
 
 
-def _zeros_dims(f):
-    return (("r", 1), ("k", 1)) if f.family == "int4" else (None,)
+def _zeros_dims(f, rows=("r", 1)):
+    """INT4 zero points are shaped as linear scales; other formats pass an empty (0,)."""
+    return (rows, ("k", 1)) if f.family == "int4" else (None,)
 
 
 def _quantize_layout(params, in_shapes, out_shapes):
     f = get_format(params["fmt"])
-    (r, k), _ = in_shapes
-    bs = params["block_size"]
-    xk, ck, sk, fixed = _blocked(f, bs, k // bs)
+    xk, ck, sk, fixed = _blocked(f, params["block_size"])
     if params["swizzled"]:
-        ok = r % _SWIZZLE_ROWS == 0
+        ok = in_shapes[0][0] % _SWIZZLE_ROWS == 0
         rows = ("r", _SWIZZLE_ROWS) if ok else ("r", 1)
         scales = (("r", _SWIZZLE_VIEW_ROWS) if ok else None, None)
-        zeros = (rows, ("k", 1)) if f.family == "int4" else (None,)
-        return Layout([(rows, xk), (rows,)], [(rows, ck), scales, zeros],
+        return Layout([(rows, xk), (rows,)], [(rows, ck), scales, _zeros_dims(f, rows)],
                       fixed=("k",) + (() if ok else ("r",)))
     rows = ("r", 1)
     return Layout([(rows, xk), (rows,)], [(rows, ck), (rows, sk), _zeros_dims(f)],
@@ -150,16 +148,13 @@ def _quantize_layout(params, in_shapes, out_shapes):
 
 def _dequantize_layout(params, in_shapes, out_shapes):
     f = get_format(params["fmt"])
-    bs = params["block_size"]
-    xk, ck, sk, fixed = _blocked(f, bs, params["k"] // bs)
+    xk, ck, sk, fixed = _blocked(f, params["block_size"])
     rows = ("r", 1)
     return Layout([(rows, ck), (rows, sk), _zeros_dims(f), (rows,)], [(rows, xk)], fixed=fixed)
 
 
 def _fake_quantize_layout(params, in_shapes, out_shapes):
-    f = get_format(params["fmt"])
-    bs = params["block_size"]
-    xk, _, _, fixed = _blocked(f, bs, in_shapes[0][1] // bs)
+    xk, _, _, fixed = _blocked(get_format(params["fmt"]), params["block_size"])
     rows = ("r", 1)
     return Layout([(rows, xk), (rows,)], [(rows, xk)], fixed=fixed)
 
@@ -170,26 +165,21 @@ def _auto_tensor_scale_layout(params, in_shapes, out_shapes):
 
 def _wmatmul_layout(params, in_shapes, out_shapes):
     f = get_format(params["fmt"])
-    bs = params["block_size"]
-    xk, ck, sk, fixed = _blocked(f, bs, in_shapes[0][1] // bs)
-    tiled = params["tiled"]
-    n = ("n", _TILE_ROWS if tiled else 1)
-    m = ("m", 1)
-    zeros = ((n, sk) if f.family == "int4" else (None,))
-    fixed = set(fixed) | ({"k"} if tiled else set())
-    if tiled and in_shapes[1][0] % _TILE_ROWS:
-        fixed.add("n")
-        n = ("n", 1)
-        zeros = ((n, sk) if f.family == "int4" else (None,))
-    return Layout([(m, xk), (n, ck), (n, sk), zeros, (n,)], [(m, n)], fixed=fixed,
-                  reduce=("k",))
+    xk, ck, sk, fixed = _blocked(f, params["block_size"])
+    fixed = set(fixed)
+    tiles = params["tiled"] and in_shapes[1][0] % _TILE_ROWS == 0
+    if params["tiled"]:  # K interleaved within tiles; N at whole tiles where it has them
+        fixed |= {"k"} if tiles else {"k", "n"}
+    m, n = ("m", 1), ("n", _TILE_ROWS if tiles else 1)
+    return Layout([(m, xk), (n, ck), (n, sk), _zeros_dims(f, n), (n,)], [(m, n)],
+                  fixed=fixed, reduce=("k",))
 
 
 def _scaled_matmul_layout(params, in_shapes, out_shapes):
     fa, fb = get_format(params["a_fmt"]), get_format(params["b_fmt"])
     bs = fa.default_block  # same family: nvfp4 16, MX 32 (ops.scaled_matmul checks)
-    _, ack, sk, fixed_a = _blocked(fa, bs, params["k"] // bs)
-    _, bck, _, fixed_b = _blocked(fb, bs, params["k"] // bs)
+    _, ack, sk, fixed_a = _blocked(fa, bs)
+    _, bck, _, fixed_b = _blocked(fb, bs)
     m, n = ("m", 1), ("n", 1)
     return Layout([(m, ack), (m, sk), (m,), (n, bck), (n, sk), (n,), (), (n,)], [(m, n)],
                   fixed=set(fixed_a) | set(fixed_b), reduce=("k",))

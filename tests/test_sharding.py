@@ -180,6 +180,11 @@ def test_k_sharding_off_block_boundaries_is_resharded_correctly():
     f = jax.jit(lambda x: jf.fake_quantize(x, "int4", block_size=128))
     xs = put(x, P(None, "model"), MESH_1D)
     assert_bit_equal(f(xs), f(on_cpu(x)))
+    # int4 groups of 3: a group's codes are not whole bytes, so K never shards
+    x = _x((16, 384), 6)
+    g = jax.jit(lambda x: jf.quantize(x, "int4", block_size=3))
+    xs = put(x, P("data", "model"))
+    assert_bit_equal(g(xs), g(on_cpu(x)))
 
 
 # ------------------------------------------------------------------------ matmuls
