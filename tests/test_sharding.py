@@ -282,6 +282,21 @@ def test_scaled_matmul_column_row_batch(fmts, case):
     _close(f(*args), f(*on_cpu((a, b, bias))))
 
 
+def test_gspmd_partitioner_takes_the_same_rules():
+    # infer_sharding_from_operands serves XLA's GSPMD partitioner (Shardy is the default)
+    x, w = _x((16, 512), 1), _x((512, 128), 2)
+    q = jf.quantize(w, "nvfp4", axis=0, tensor_scale="auto")
+    shardy = jax.config.jax_use_shardy_partitioner
+    jax.config.update("jax_use_shardy_partitioner", False)
+    try:
+        f = jax.jit(lambda x, q: jf.matmul(jf.fake_quantize(x, "nvfp4", tensor_scale="auto"), q))
+        args = (put(x, P(None, "model")), put(q, qarray_partition_specs(P("model", None), q)))
+        _expect(collectives(f, *args), "f32[16,128]{1,0}")
+        _close(f(*args), f(*on_cpu((x, q))))
+    finally:
+        jax.config.update("jax_use_shardy_partitioner", shardy)
+
+
 # ------------------------------------------------------------------------ autodiff, out_sharding
 def test_gradients_stay_sharded():
     x, w = _x((16, 512), 1), _x((512, 128), 2)
