@@ -1,6 +1,6 @@
 """Device time of W4A16 matmul and block-scaled matmul on the GPU vs bf16 ``jnp.dot``.
 
-Method (DESIGN.md section 7): one jitted function runs the op on R distinct weights
+Method (docs/benchmarks.md): one jitted function runs the op on R distinct weights
 (together larger than L2); its GPU time (the kernels' durations in the JAX profiler's
 device trace over 5 calls, bench_quant.device_time) / R; in the same run the baselines:
 bf16 ``jnp.dot`` on bf16 weights, the jitted jnp reference (dequantize + dot), the
@@ -124,9 +124,10 @@ def bench_rule(shape, m, fmt, xs, q, r, t_bf16, rows):
     """One format at one M on each W4A16 path: wgmma kernel, mma.sync kernel, dequantize
     + dot (rows labelled 'FMT (rule)')."""
     names = ("FUSED_MAX_M", "FUSED_MAX_M_WGMMA", "FUSED_MAX_M_WGMMA_FOLDED",
-             "FUSED_MAX_M_WGMMA_DECODE", "wgmma_available")
+             "FUSED_MAX_M_WGMMA_DECODE", "gpu_props")
     saved = [getattr(primitives, a) for a in names]
     have_wgmma = primitives.wgmma_available()
+    real = primitives.gpu_props()
     try:
         for label, limit, wgmma in (("fused wgmma", 1 << 30, True), ("fused mma", 1 << 30, False),
                                     ("dequant+dot", 0, False)):
@@ -135,7 +136,7 @@ def bench_rule(shape, m, fmt, xs, q, r, t_bf16, rows):
             primitives.FUSED_MAX_M = primitives.FUSED_MAX_M_WGMMA_FOLDED = limit
             primitives.FUSED_MAX_M_WGMMA = dict.fromkeys(primitives.FUSED_FORMATS, limit)
             primitives.FUSED_MAX_M_WGMMA_DECODE = {}
-            primitives.wgmma_available = lambda wgmma=wgmma: wgmma
+            primitives.gpu_props = lambda ctx=None, cc=9 if wgmma else 8: primitives.GpuProps(cc, real.sm_count)
             t = timed(per_weight(jf.matmul, len(xs)), (*xs, *q), r)
             rows.append((shape, m, f"{fmt} (rule)", label, t * 1e6, t_bf16 * 1e6,
                          t_bf16 / t, float("nan"), float("nan"), float("nan")))

@@ -1,6 +1,6 @@
 """Device time of quantize / dequantize / fake-quantize on the GPU vs the copy roof.
 
-Method (DESIGN.md section 7): one jitted function runs the op on R distinct inputs
+Method (docs/benchmarks.md): one jitted function runs the op on R distinct inputs
 (together larger than L2). Its device time is what the GPU spent in kernels (and
 memsets/copies) during 5 calls, read from the JAX profiler's device trace (CUPTI), divided
 by 5 * R: no Python dispatch, allocation or synchronisation gap counts (they cost ~0.1-0.2 ms

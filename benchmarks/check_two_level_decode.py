@@ -1,7 +1,7 @@
 """Design check (CPU, exact rational arithmetic) for a bit decode of two-level NVFP4 on bf16
-arithmetic, before it is written as a kernel (benchmarks/NOTES.md round 26, "Left" item 2).
+arithmetic, before it is written as a kernel (benchmarks/log/NOTES.md round 26, "Left" item 2).
 
-Two-level NVFP4 decodes as w = bf16(f32(v * S)) with S = f32(pts * s) (DESIGN.md section 3:
+Two-level NVFP4 decodes as w = bf16(f32(v * S)) with S = f32(pts * s) (docs/spec.md section 3:
 the two scales' product rounded to float32 first), v an E2M1 value, s the E4M3 block scale
 and pts the float32 per-tensor scale. The wgmma kernel now decodes it through the
 shared-memory table (a float32 multiply per element), because one bf16 multiply of the

@@ -2,7 +2,8 @@
 # One device call: build, GPU tests, sanitizers, Nsight Compute, benchmarks (METHOD.md:
 # "one script that builds, checks and times in one call"). Logs go to $OUT (or ./out).
 #
-#   bash benchmarks/device_check.sh [build] [test] [sanitize] [ncu] [bench-quant] [bench-matmul]
+#   bash benchmarks/device_check.sh [build] [test] [test-matmul] [sanitize] [ncu] [bench-quant]
+#       [bench-matmul] [bench-model]
 #
 # With no arguments: build test sanitize bench-matmul. Each step has its own time limit and
 # a failing step does not stop the next; a short summary is printed last.
@@ -23,6 +24,14 @@ for s in $steps; do
   case $s in
     build) run build 300 env JAX_FP4_CUDA=ON python3 -m pip install --no-build-isolation --no-deps -e . ;;
     test) run test 400 python3 -m pytest -q -ra tests/test_cuda_kernels.py tests/test_cuda_matmul.py ;;
+    test-matmul) run test_matmul 400 python3 -m pytest -q -ra -x tests/test_cuda_matmul.py tests/test_matmul_paths.py ;;
+    test-gpu)  # every GPU test file, in 4 processes sharing the GPU
+      for i in 0 1 2 3; do
+        XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_FP4_TEST_SHARD=$i/4 timeout 420 python3 -m pytest -q -ra \
+          tests/test_cuda_kernels.py tests/test_cuda_matmul.py tests/test_matmul_paths.py \
+          ${GPU_TESTS_EXTRA:-} > "$OUT/test_gpu_$i.log" 2>&1 &
+      done
+      wait; say "test-gpu"; for i in 0 1 2 3; do tail -1 "$OUT/test_gpu_$i.log"; done ;;
     sanitize)
       run memcheck 200 env XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer --tool memcheck python3 benchmarks/cuda_sanitize.py
       run racecheck 200 compute-sanitizer --tool racecheck python3 benchmarks/cuda_sanitize.py ;;
@@ -32,6 +41,8 @@ for s in $steps; do
     bench-quant) run bench_quant 400 python3 benchmarks/bench_quant.py --results "$OUT/RESULTS_quant.md" ;;
     bench-matmul) run bench_matmul 500 python3 benchmarks/bench_matmul.py --shapes 8192x28672 28672x8192 \
            --ms 1 4 16 64 256 1024 --rule-ms 256 --scaled 4096 8192 --results "$OUT/RESULTS_matmul.md" ;;
+    bench-model) run bench_model 560 python3 benchmarks/bench_model.py --ms ${MODEL_MS:-1 16 64} \
+           --results "$OUT/RESULTS_model.md" ;;
     *) say "unknown step $s" ;;
   esac
 done

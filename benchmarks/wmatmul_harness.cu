@@ -1,5 +1,5 @@
 // Standalone driver for the W4A16 CUDA kernels (csrc/cuda/wmatmul.cu), without JAX: for
-// Nsight Compute, which crashes at the exit of a profiled jax process (NOTES.md), and for
+// Nsight Compute, which crashes at the exit of a profiled jax process (benchmarks/log/NOTES.md), and for
 // quick sweeps of kernel variants (build several binaries with different -D or source
 // copies, carry them to the GPU, no pip build there). It includes wmatmul.cu and calls
 // the handler's launch_kernel on random bits: timing only -- the results are checked
@@ -156,7 +156,7 @@ int main(int argc, char** argv) {
   // enough copies that neither the weights (>= 256 MiB) nor their scales alone (>= 128 MiB,
   // 2.5x the H100's L2) are found in L2 by a later launch: the scale boxes are copied with
   // normal eviction, and with two copies of 8192 x 28672 nvfp4 (15 MB of scales each) the
-  // scales stayed in L2 and the harness timed 5 us less than JAX (benchmarks/NOTES.md round 13)
+  // scales stayed in L2 and the harness timed 5 us less than JAX (benchmarks/log/NOTES.md round 13)
   const size_t ceil_div_w = ((size_t(256) << 20) + per_copy - 1) / per_copy;
   const size_t ceil_div_s = ((size_t(128) << 20) + scale_bytes - 1) / scale_bytes;
   // (no more than the launches, 3 warm-up + reps: a sanitizer run of a small weight with

@@ -1,4 +1,4 @@
-// jax-fp4 codecs: the bit-level semantics of DESIGN.md section 3, written once for
+// jax-fp4 codecs: the bit-level semantics of docs/spec.md section 3, written once for
 // the CPU handlers and the CUDA kernels (every function is __host__ __device__ under
 // nvcc). Plain IEEE float32 arithmetic in exactly the order the spec gives; no
 // fast-math, no FMA contraction (build with -ffp-contract=off / nvcc -fmad=false) and

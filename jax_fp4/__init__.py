@@ -1,6 +1,6 @@
 """jax-fp4: 4-bit and micro-scaled number formats as first-class JAX citizens.
 
-Formats (DESIGN.md section 3): nvfp4, mxfp4, mxfp6_e2m3, mxfp6_e3m2, mxfp8_e4m3,
+Formats (docs/spec.md section 3): nvfp4, mxfp4, mxfp6_e2m3, mxfp6_e3m2, mxfp8_e4m3,
 mxfp8_e5m2, nf4, bnb_fp4, int4. The pure-jnp :mod:`jax_fp4.reference` defines the
 semantics; CPU (C++) and CUDA kernels registered as XLA FFI targets match it bit for bit.
 """

@@ -50,20 +50,75 @@ def _cmd_demo(args) -> int:
     return 0
 
 
-def _cmd_quantize(args) -> int:
-    from .io import describe, load, read_header, save
+def _input_file(arg: str, path) -> None:
+    """Raise ValueError unless ``path`` (the argument ``arg``) is an existing file."""
+    if os.path.isdir(path):
+        found = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+        hint = (f"; it holds {', '.join(found[:5])}" + (" ..." if len(found) > 5 else "")
+                if found else "; it holds no .safetensors file")
+        raise ValueError(f"{arg}: expected a .safetensors file, got the directory {path}{hint}")
+    if not os.path.exists(path):
+        raise ValueError(f"{arg}: expected a .safetensors file, got {path}: no such file")
+
+
+def _output_file(arg: str, path) -> None:
+    """Raise ValueError unless ``path`` can be created: its folder exists, it is no folder."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"{arg}: expected a file name, got the directory {path}")
+    if not os.path.isdir(folder):
+        raise ValueError(f"{arg}: the folder {folder} of {path} does not exist (create it "
+                         "first)")
+
+
+def _quantize_tree(tensors, args, axis, ts):
+    """quantize_params on the checkpoint; kernels skipped because the block size does not
+    divide their contraction axis become one ValueError when nothing else was quantized,
+    else one note on stderr."""
+    import warnings
+
     from .nn.params import quantize_params
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = quantize_params(tensors, args.format, filter=args.filter, axis=axis,
+                              block_size=args.block_size, tensor_scale=ts,
+                              scale_rounding=args.scale_rounding)
+    skipped = [str(w.message) for w in caught if "unquantized" in str(w.message)]
+    for w in caught:
+        if str(w.message) not in skipped:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return out, skipped
+
+
+def _cmd_quantize(args) -> int:
+    from .formats import get_format
+    from .io import describe, load, read_header, save
     from .qarray import QArray
 
+    _input_file("IN", args.input)
+    _output_file("OUT", args.output)
+    if args.block_size is not None:
+        # the format's own rule first (nvfp4: 16, MX: 32, codebook: powers of two)
+        try:
+            get_format(args.format).check_block_size(args.block_size)
+        except ValueError as e:
+            raise ValueError(f"--block-size: {str(e).split(': ', 1)[-1]}") from None
     tensors = load(args.input)
     _, in_meta, _ = read_header(args.input)
     ts = {"auto": "auto", "none": None}[args.tensor_scale]
     axis = None if args.axis is None else int(args.axis)
-    out = quantize_params(tensors, args.format, filter=args.filter, axis=axis,
-                          block_size=args.block_size, tensor_scale=ts,
-                          scale_rounding=args.scale_rounding)
+    out, skipped = _quantize_tree(tensors, args, axis, ts)
     new = [k for k, v in out.items() if isinstance(v, QArray) and
            not isinstance(tensors[k], QArray)]
+    if skipped:
+        bs = args.block_size or get_format(args.format).default_block
+        which = skipped[0].split("unquantized: ", 1)[-1]
+        if not new:
+            raise ValueError(f"--block-size: {args.format} in blocks of {bs} fits none of the "
+                             f"selected tensors of {args.input}: {which}")
+        print(f"jax-fp4 quantize: note: left unquantized (blocks of {bs} do not fit): {which}",
+              file=sys.stderr)
     if not new:
         print(f"jax-fp4 quantize: no tensor of {args.input} was selected for quantization "
               f"(filter {args.filter or 'default: 2-D *.weight / *.kernel outside embeddings'})",
@@ -90,6 +145,7 @@ def _fmt_shape(s):
 def _cmd_inspect(args) -> int:
     from .io import describe
 
+    _input_file("FILE", args.file)
     d = describe(args.file)
     if args.json:
         print(json.dumps(d, indent=1))

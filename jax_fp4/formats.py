@@ -5,7 +5,7 @@ to know about a format: element bits and codec, block size rules, the scale's dt
 the FFI id. The bit-level semantics live in :mod:`jax_fp4.reference` (and
 ``csrc/codecs.h``); this module only describes.
 
-Conventions: DESIGN.md section 3 (the project's spec), after OCP Microscaling v1.0 (MX),
+Conventions: docs/spec.md section 3 (the project's spec), after OCP Microscaling v1.0 (MX),
 NVIDIA NVFP4 (torchao ``nvfp4_quantize``), bitsandbytes 0.50 (NF4, FP4) and AutoAWQ (INT4).
 """
 from __future__ import annotations

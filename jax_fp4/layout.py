@@ -1,6 +1,6 @@
 """Bit packing of element codes and the 128x4 scale swizzle (pure jnp).
 
-Packing (DESIGN.md section 3): codes form a little-endian bit stream along the last axis;
+Packing (docs/spec.md section 3): codes form a little-endian bit stream along the last axis;
 element i occupies bits [i*b, i*b+b) of the row's bytes. For b = 4, element 2j is the low
 nibble of byte j (PTX ``cvt.*.e2m1x2``, CUTLASS, torchao ``pack_uint4``, ModelOpt); for
 b = 6, four elements fill three bytes.

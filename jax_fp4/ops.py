@@ -1,4 +1,4 @@
-"""The functional public API (DESIGN.md section 5), on top of :mod:`jax_fp4.primitives`.
+"""The functional public API (docs/spec.md section 5), on top of :mod:`jax_fp4.primitives`.
 
 Each function validates its arguments (ValueError/TypeError naming the argument, the
 expected and the actual value), moves the blocked axis last, flattens to the canonical
@@ -84,7 +84,7 @@ def _tensor_scale(tensor_scale, x):
     try:
         v = float(ts)
     except (jax.errors.ConcretizationTypeError, TypeError):
-        return ts  # traced: invalid values give NaN scales (DESIGN.md section 3)
+        return ts  # traced: invalid values give NaN scales (docs/spec.md section 3)
     if not (math.isfinite(v) and v >= reference.TENSOR_SCALE_MIN):
         raise ValueError(f"tensor_scale: expected a finite value >= 2**-120, got {v}")
     return ts
@@ -139,7 +139,7 @@ def quantize(x, format="nvfp4", *, axis=-1, tensor_scale=None, block_size=None,
     Args:
       x: float32 / bfloat16 / float16 array of any rank >= 1.
       format: "nvfp4", "mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8_e4m3", "mxfp8_e5m2",
-        "nf4", "bnb_fp4" or "int4" (DESIGN.md section 3).
+        "nf4", "bnb_fp4" or "int4" (docs/spec.md section 3).
       axis: the blocked axis (the contraction axis of a weight); its length must be a
         multiple of the block size.
       tensor_scale: nvfp4 only. None: one level (E4M3 block scales only); "auto": the
@@ -388,6 +388,10 @@ def _weight_matmul(x, w: QArray, x_axis, precision, out_dtype):
         x = x.astype(w.dtype)
     x2, rest = _to_rows(x, x_axis)
     bufs, _, k = _qarray_rows(w, keep_tiled=True)
+    # one per-tensor scale for the whole weight: (1,), no per-row copy (the kernel reads it
+    # once; the other paths broadcast it)
+    bufs = (*bufs[:3], jnp.reshape(jnp.asarray(w.tensor_scale, jnp.float32), (1,))
+            if w.tensor_scale is not None else jnp.zeros((1,), jnp.float32))
     if x2.shape[1] != k:
         raise ValueError(f"lhs: contracting dimension has size {x2.shape[1]}, the QArray's "
                          f"blocked axis has size {k}")
@@ -442,7 +446,7 @@ def scaled_matmul(a: QArray, b: QArray, *, alpha=None, bias=None, out_dtype=jnp.
       (M, N) array of out_dtype; the reference decodes both operands exactly to float32
       and accumulates in float32. On CUDA the operands are decoded exactly to bf16
       (without NVFP4 tensor scales, applied after) and multiplied on the tensor cores
-      with float32 accumulation (README "Spec notes").
+      with float32 accumulation (docs/spec.md section 5).
     Raises:
       TypeError: a or b is not a QArray.
       ValueError: not 2-D / not blocked along K, K mismatch, a format without E4M3/E8M0

@@ -3,13 +3,14 @@
 Every primitive works on the canonical 2-D view (csrc/README.md): rows x K with the
 blocked axis last; :mod:`jax_fp4.ops` moves axes and reshapes around them.
 
-Lowering (DESIGN.md section 6): on CPU our C++ FFI targets, on CUDA our CUDA targets where
+Lowering (docs/spec.md section 6): on CPU our C++ FFI targets, on CUDA our CUDA targets where
 the extension has one for the op, everywhere else (and whenever the backend is
 "reference") ``mlir.lower_fun`` of :mod:`jax_fp4.reference`. The backend choice is a
 primitive parameter, so ``jit`` caches a separate executable per backend.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
@@ -122,9 +123,10 @@ def _register_lowerings(prim, target, reference_impl, kernel_impl=None, ffi_attr
     kernel_impl: composite built from other primitives (used instead of ``target``).
     ffi_attrs: params -> FFI attribute dict.
     fixed_scale_dtype: the kernel has no scale_dtype attribute (INT4 scales in x.dtype).
-    cuda_impl: (target, applies(avals_in, params), impl): on CUDA, when the extension has
-      ``target`` and ``applies`` says so, lower ``impl`` (a composite that calls the
-      target) instead of ``kernel_impl``.
+    cuda_impl: (target, applies(avals_in, params, gpu), impl): on CUDA, when the extension
+      has ``target`` and ``applies`` says so, lower ``impl(*args, gpu=gpu, **params)`` (a
+      composite that calls the target) instead of ``kernel_impl``; ``gpu`` is the lowering
+      context's GpuProps (gpu_props), never a device query of the machine that lowers.
 
     The rules go to ``prim``'s shard-local twin; ``prim`` lowers through its sharding rule
     to per-shard calls of the twin (jax_fp4.partitioning).
@@ -138,10 +140,11 @@ def _register_lowerings(prim, target, reference_impl, kernel_impl=None, ffi_attr
             impl = params["impl"]
             if impl == "reference":
                 return ref_rule(ctx, *args, **params)
-            if (_platform == "cuda" and cuda_impl is not None
-                    and _has_target(cuda_impl[0], "cuda") and cuda_impl[1](ctx.avals_in, params)):
-                return mlir.lower_fun(cuda_impl[2], multiple_results=multiple_results)(
-                    ctx, *args, **params)
+            gpu = gpu_props(ctx) if _platform == "cuda" and cuda_impl is not None else None
+            if (gpu is not None and _has_target(cuda_impl[0], "cuda")
+                    and cuda_impl[1](ctx.avals_in, params, gpu)):
+                impl = functools.partial(cuda_impl[2], gpu=gpu)
+                return mlir.lower_fun(impl, multiple_results=multiple_results)(ctx, *args, **params)
             if kernel_impl is not None:
                 available = _ext.has_kernels(_platform)
             else:
@@ -394,8 +397,10 @@ def _wmatmul_compose(dequantize, x, codes, scales, zeros, ts, *, fmt, block_size
                      out_dtype, precision, tiled, impl):
     """y (M, N) = x (M, K) @ W(N, K)^T: W decoded in float32, rounded to x.dtype (the
     compute dtype of a W4A16 kernel), products accumulated in float32. `tiled`: the codes,
-    scales and zero points come in the prepared layout (jax_fp4.prepare)."""
+    scales and zero points come in the prepared layout (jax_fp4.prepare). ts: the
+    per-tensor scale per weight row (N,) or one for all (1,)."""
     codes, scales, zeros = _untiled(codes, scales, zeros, block_size, tiled)
+    ts = jnp.broadcast_to(ts, (codes.shape[0],))
     w = dequantize(codes, scales, zeros, ts, fmt=fmt, block_size=block_size, k=x.shape[1],
                    dtype=x.dtype, two_level=two_level, impl=impl)
     y = lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=precision,
@@ -424,6 +429,7 @@ def _wmatmul_transpose(ct, x, codes, scales, zeros, ts, **params):
     if type(ct) is ad.Zero:
         return [None] * 5
     codes, scales, zeros = _untiled(codes, scales, zeros, params["block_size"], params["tiled"])
+    ts = jnp.broadcast_to(ts, (codes.shape[0],))
     w = dequantize_p.bind(codes, scales, zeros, ts, fmt=params["fmt"],
                           block_size=params["block_size"], k=x.aval.shape[1],
                           dtype=x.aval.dtype, two_level=params["two_level"],
@@ -441,7 +447,7 @@ def _wmatmul_transpose(ct, x, codes, scales, zeros, ts, **params):
 #   (fused wgmma against dequantize + dot, ms, bench_matmul.py --rule-ms 1024 2048 4096,
 #   RESULTS.md round 6 and round 10; from M = 512-2048 the kernel multicasts x for a
 #   linear-layout weight, wmatmul_cluster):
-#   - one-level nvfp4 (folded): up to M = 4096 (bf16 x, M = 4096: 2.59 / 2.44 against
+#   - nvfp4, one or two levels (folded): up to M = 4096 (bf16 x, M = 4096: 2.59 / 2.44 against
 #     2.65 / 2.49; M = 2048: 1.30 / 1.20 against 1.44 / 1.35. f16 x, folded since round 25,
 #     RESULTS.md round 25 C, H200: M = 4096 2.56 / 2.48 against 2.58 / 2.46, equal, and no
 #     dequantized copy of the weight; M = 2048 1.26 / 1.22 against 1.37 / 1.31).
@@ -456,8 +462,6 @@ def _wmatmul_transpose(ct, x, codes, scales, zeros, ts, **params):
 #   - nf4, bnb_fp4 (table decode): up to M = 2048 (round 22 C: M = 2048 nf4 1.40 / 1.40
 #     against 1.55 / 1.45, bnb_fp4 1.40 / 1.41 against 1.53 / 1.43; M = 4096 nf4 2.91 /
 #     2.90 against 2.89 / 2.73, bnb_fp4 2.95 / 2.90 against 2.84 / 2.66).
-#   - two-level nvfp4 (the table decode): up to M = 2048 (RESULTS.md round 23 B: M = 2048
-#     1.38 / 1.38 against 1.54 / 1.43, M = 4096 2.83 / 2.79 against 2.86 / 2.68).
 #   - int4 decoded otherwise than by its bit path (FUSED_MAX_M_WGMMA_DECODE):
 #     - f16 scales with bf16 x (AWQ's scales in a bf16 model; the split scale, one more
 #       multiply per pair): up to M = 2048 (RESULTS.md round 25 C, H200: M = 1024 0.69 /
@@ -489,6 +493,9 @@ FUSED_MAX_M_WGMMA_DECODE = {("mxfp4", "bits", "float16"): 2048,
 # 3.08 / 2.93 (bf16 2.47 / 2.52); nf4 M = 4096 2.85 / 2.90 against 3.10 / 2.93.
 FUSED_MAX_M_WGMMA_TILED = float("inf")
 _FUSED_TARGET = "jax_fp4_wmatmul_v3"
+# The most K-splits the wgmma kernel sums in one cluster (csrc/cuda/wmatmul.cu,
+# kWgMaxClusterSplits: the portable cluster size); more take XLA's sum of the partials.
+_CLUSTER_MAX_SPLITS = 8
 # (rows per CTA, k per super-step, resident CTAs per SM, fewest super-steps per split) of
 # the direct kernel (M <= 16), the staged kernel and the wgmma kernel by tile_m
 # (csrc/cuda/wmatmul.cu). The wgmma kernel splits K into runs of >= 12 steps: a sweep (S
@@ -515,13 +522,44 @@ _FUSED_GEOMETRY = {"direct": (128, 256, 4, 1), "staged": (128, 128, 4, 2),
                    128: (128, 128, 1, 12), 256: (128, 128, 1, 12)}
 
 
-def _sm_count():
-    """Streaming multiprocessors of the first GPU (132 on an H100 SXM / H200 if unknown)."""
+@dataclasses.dataclass(frozen=True)
+class GpuProps:
+    """What the CUDA launch policy needs of the GPU a computation is lowered for.
+
+    compute_capability: the major version (0: unknown, which picks the kernels every sm_80+
+    GPU runs); sm_count: streaming multiprocessors (132, an H100 SXM / H200, if unknown)."""
+    compute_capability: int = 0
+    sm_count: int = 132
+
+    @property
+    def wgmma(self) -> bool:
+        """Whether the sm_90a wgmma kernel runs: compute capability 9 and a build for 90a."""
+        archs = str(_ext.build_info().get("cuda_archs", "")).replace(";", ",").split(",")
+        return self.compute_capability == 9 and "90a" in archs
+
+
+@functools.lru_cache(maxsize=None)
+def _device_props(device) -> GpuProps:
+    cc = int(str(getattr(device, "compute_capability", "0")).split(".")[0] or 0)
+    return GpuProps(cc, int(getattr(device, "core_count", 0) or 132))
+
+
+def gpu_props(ctx=None) -> GpuProps:
+    """The properties of the GPU that lowering context `ctx` compiles for (its backend's
+    first GPU), cached per device; without a context or a GPU backend in it (e.g.
+    ``jax.export`` on a machine with no GPU), the default GPU, or GpuProps() if none: the
+    portable choice."""
+    backend = getattr(getattr(ctx, "module_context", None), "backend", None)
     try:
-        n = getattr(jax.devices("gpu")[0], "core_count", None)
+        devices = backend.local_devices() if backend is not None else jax.devices("gpu")
     except RuntimeError:
-        n = None
-    return int(n) if n else 132
+        devices = []
+    gpus = [d for d in devices if d.platform in ("gpu", "cuda")]
+    return _device_props(gpus[0]) if gpus else GpuProps()
+
+
+def _sm_count():
+    return gpu_props().sm_count
 
 
 def _fill(items, slots):
@@ -605,14 +643,16 @@ def wmatmul_grid(m, n, k, wgmma=None, sms=None):
     return best[2], -best[1]
 
 
-def fused_wmatmul_applies(avals_in, params):
+def fused_wmatmul_applies(avals_in, params, gpu=None):
     """Whether the fused kernel covers this call: x bf16/f16 with 1 <= M <= FUSED_MAX_M
     (wgmma_max_m where the wgmma kernel runs, by decode path: any M for a prepared weight),
     a 4-bit weight format, K % 32 == 0 and a power-of-two block_size >= 16.
 
     avals_in: the primitive's operand avals (x (M, K), codes (N, K / 2) uint8, scales,
-    ...); params: its parameters (fmt, block_size, two_level, tiled). Returns a bool,
-    raises nothing (a call it does not cover takes dequantize + dot)."""
+    ...); params: its parameters (fmt, block_size, two_level, tiled); gpu: the target's
+    GpuProps (default gpu_props()). Returns a bool, raises nothing (a call it does not
+    cover takes dequantize + dot)."""
+    wgmma = gpu.wgmma if gpu is not None else None
     x, codes, scales = avals_in[0], avals_in[1], avals_in[2]
     m, k = x.shape
     bs = params["block_size"]
@@ -621,7 +661,7 @@ def fused_wmatmul_applies(avals_in, params):
         return False
     max_m = (wgmma_max_m(fmt, wmatmul_folded(fmt, x.dtype, two_level), params["tiled"],
                          wmatmul_decode(fmt, x.dtype, two_level, scales.dtype), x.dtype)
-             if wmatmul_tile_m(m) else FUSED_MAX_M)
+             if wmatmul_tile_m(m, wgmma=wgmma) else FUSED_MAX_M)
     return (np.dtype(x.dtype) in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
             and 1 <= m <= max_m
             and codes.shape[0] >= 1 and k % 32 == 0 and bs >= 16 and bs & (bs - 1) == 0)
@@ -643,7 +683,7 @@ def wmatmul_x_layout(x, bit_path, tile_m=1):
     (csrc/cuda/wmatmul.cu, "wgmma kernel"); M' = M rounded up to a multiple of `tile_m`
     with zero rows, so that no activation box of the tensor memory accelerator reaches past
     x's rows (boxes partly out of bounds made the kernel 10-39% slower at tile_m >= 64:
-    H100, nvfp4 8192 x 28672, M = 129: 277 -> 173 us; benchmarks/NOTES.md round 7).
+    H100, nvfp4 8192 x 28672, M = 129: 277 -> 173 us; benchmarks/log/NOTES.md round 7).
     Block position 32 s2 + 16 hh + 8 sec + 2 tt + e holds element 32 tt + 8 s2 + 4 e +
     2 hh + sec (bit path: a register pairs elements p, p + 4 of a code word) or 32 tt +
     8 s2 + 4 hh + 2 sec + e (table path: elements 2 i, 2 i + 1); tt is the lane's k
@@ -676,9 +716,7 @@ def wmatmul_decode(fmt, x_dtype, two_level, scale_dtype):
     with each scale split into two bf16 factors) or "table" (a shared-memory table and
     float32 arithmetic: everything else)."""
     x_dtype, s = np.dtype(x_dtype), np.dtype(scale_dtype)
-    if fmt == "nvfp4":
-        return "table" if two_level else "bits"
-    if fmt == "mxfp4":
+    if fmt in ("nvfp4", "mxfp4"):  # nvfp4's per-tensor scale multiplies the accumulator
         return "bits"
     if fmt == "int4" and s == x_dtype:
         return "bits"
@@ -688,18 +726,17 @@ def wmatmul_decode(fmt, x_dtype, two_level, scale_dtype):
 
 
 def wgmma_available():
-    """Whether the sm_90a wgmma kernel can run: a compute capability 9.0 GPU and a build
-    whose CUDA architectures include 90a."""
-    if _compute_capability() != 9:
-        return False
-    return "90a" in str(_ext.build_info().get("cuda_archs", "")).replace(";", ",").split(",")
+    """Whether the sm_90a wgmma kernel can run on the default GPU: compute capability 9.0
+    and a build whose CUDA architectures include 90a (GpuProps.wgmma)."""
+    return gpu_props().wgmma
 
 
 def wmatmul_folded(fmt, x_dtype, two_level):
     """Whether the kernels decode with one multiply per pair by folding the bit placement's
-    factor into the block scale and the accumulator: one-level nvfp4 with bf16 or f16
-    `x_dtype` (csrc/cuda/wmatmul.cu, kFold)."""
-    return fmt == "nvfp4" and not two_level
+    factor into the block scale and the accumulator: nvfp4 (one or two levels: the
+    per-tensor scale multiplies the accumulator) with bf16 or f16 `x_dtype`
+    (csrc/cuda/wmatmul.cu, kFold)."""
+    return fmt == "nvfp4"
 
 
 def wgmma_max_m(fmt, folded=False, tiled=False, decode="bits", x_dtype=jnp.bfloat16):
@@ -722,7 +759,7 @@ def wgmma_max_m(fmt, folded=False, tiled=False, decode="bits", x_dtype=jnp.bfloa
 # share x's tile, each copying half of it into both (TMA multicast): half the L2 reads of
 # x, at the cost of the pair waiting for each other every step. From _MULTICAST_MIN_M
 # rows of x, where it was faster (harness, H100, 8192 x 28672 / 28672 x 8192, 1 CTA vs 2
-# per cluster, us; benchmarks/NOTES.md round 6):
+# per cluster, us; benchmarks/log/NOTES.md round 6):
 # - mxfp4: M = 512 395 / 335 -> 387 / 315, M = 1024 762 / 743 -> 672 / 613, M = 2048
 #   1629 / 1590 -> 1355 / 1208; int4: M = 512 399 / 342 -> 399 / 332, M = 1024 765 / 731
 #   -> 697 / 644, M = 2048 1608 / 1543 -> 1408 / 1263.
@@ -734,7 +771,7 @@ def wgmma_max_m(fmt, folded=False, tiled=False, decode="bits", x_dtype=jnp.bfloa
 _MULTICAST_MIN_M = {"nvfp4": 2048, "mxfp4": 512, "int4": 512, "nf4": None, "bnb_fp4": None}
 # A prepared weight (one 1-D bulk copy per stage for its codes, scales and zero points)
 # runs faster without: harness, H100, 8192 x 28672 / 28672 x 8192, 1 CTA vs 2 per
-# cluster, us (benchmarks/NOTES.md round 19): M = 1024 int4 574 / 549 vs 593 / 579, mxfp4
+# cluster, us (benchmarks/log/NOTES.md round 19): M = 1024 int4 574 / 549 vs 593 / 579, mxfp4
 # 563 / 536 vs 582 / 568, nvfp4 565 / 542 vs 594 / 578, nf4 639 / 615 vs 638 / 608; M =
 # 4096 int4 2344 / 2265 vs 2370 / 2294, mxfp4 2286 / 2228 vs 2309 / 2247, nvfp4 2310 /
 # 2252 vs 2356 / 2296, nf4 2568 / 2499 vs 2562 / 2500. Through JAX (trained weights, at the
@@ -777,32 +814,40 @@ def wmatmul_head_rows(m, n, k, tile_m, sms=None):
 
 
 def _wmatmul_fused(x, codes, scales, zeros, ts, *, fmt, block_size, two_level, out_dtype,
-                   precision, tiled, impl):
-    """The fused kernel: one split writes the output in x's dtype (or float32) itself; K
-    splits leave float32 partial sums that XLA adds and casts. A ragged last 256-row tile
+                   precision, tiled, impl, gpu=None):
+    """The fused kernel: one split, or up to _CLUSTER_MAX_SPLITS K-splits summed in the
+    wgmma kernel (tiles up to 128 rows), write the output in x's dtype (or float32)
+    themselves; otherwise the K-splits leave float32 partial sums that XLA adds and casts. A ragged last 256-row tile
     becomes a second launch (wmatmul_head_rows). A weight in the prepared layout goes to
     the wgmma kernel as it is (attribute `tiled`), to the mma.sync kernels linear."""
     m, k = x.shape
-    tile_m, splits = wmatmul_grid(m, codes.shape[0], k)
+    gpu = gpu or gpu_props()
+    tile_m, splits = wmatmul_grid(m, codes.shape[0], k, wgmma=gpu.wgmma, sms=gpu.sm_count)
     if tiled and not tile_m:
         codes, scales, zeros = _untiled(codes, scales, zeros, block_size, tiled)
         tiled = False
-    head = wmatmul_head_rows(m, codes.shape[0], k, tile_m)
+    head = wmatmul_head_rows(m, codes.shape[0], k, tile_m, sms=gpu.sm_count)
     if head:
         part = functools.partial(_wmatmul_fused, codes=codes, scales=scales, zeros=zeros, ts=ts,
                                  fmt=fmt, block_size=block_size, two_level=two_level,
                                  out_dtype=out_dtype, precision=precision, tiled=tiled,
-                                 impl=impl)
+                                 impl=impl, gpu=gpu)
         return jnp.concatenate([part(x[:head]), part(x[head:])], axis=0)
-    final = splits == 1 and np.dtype(out_dtype) in (np.dtype(x.dtype), np.dtype(np.float32))
+    # the kernel sums the K-splits itself (one cluster per tile, csrc/cuda/wmatmul.cu
+    # wg_reduce_splits) where its tile allows: one launch, no partial sums in HBM
+    cluster = wmatmul_cluster(fmt, m, tile_m, tiled)
+    reduce = 1 < splits <= _CLUSTER_MAX_SPLITS and 0 < tile_m <= 128 and cluster == 1
+    final = ((splits == 1 or reduce)
+             and np.dtype(out_dtype) in (np.dtype(x.dtype), np.dtype(np.float32)))
     if tile_m:
         x = wmatmul_x_layout(x, wmatmul_decode(fmt, x.dtype, two_level, scales.dtype) != "table", tile_m)
     part = jax.ffi.ffi_call(
         _FUSED_TARGET,
-        jax.ShapeDtypeStruct((splits, m, codes.shape[0]), out_dtype if final else jnp.float32))(
+        jax.ShapeDtypeStruct((1 if reduce else splits, m, codes.shape[0]),
+                             out_dtype if final else jnp.float32))(
         x, codes, scales, zeros, ts, **_attrs(fmt, block_size, two_level=two_level),
-        splits=np.int64(splits), tile_m=np.int64(tile_m),
-        cluster=np.int64(wmatmul_cluster(fmt, m, tile_m, tiled)), tiled=np.int32(bool(tiled)))
+        splits=np.int64(splits), tile_m=np.int64(tile_m), cluster=np.int64(cluster),
+        tiled=np.int32(bool(tiled)))
     return part[0] if final else part.sum(0).astype(out_dtype)
 
 
@@ -916,18 +961,9 @@ def scaled_matmul_cudnn(a_codes, a_scales, a_ts, b_codes, b_scales, b_ts, alpha,
     return (d * alpha + bias[None, :]).astype(out_dtype)
 
 
-def _compute_capability():
-    """Major compute capability of the first GPU (0 when unknown)."""
-    try:
-        cc = getattr(jax.devices("gpu")[0], "compute_capability", "0")
-        return int(str(cc).split(".")[0])
-    except (RuntimeError, ValueError):
-        return 0
-
-
-def _scaled_matmul_cuda(*args, **params):
+def _scaled_matmul_cuda(*args, gpu, **params):
     """sm_100+ and a cuDNN pair: jax.nn.scaled_matmul; else the exact-bf16 path."""
-    if _compute_capability() >= 10 and (params["a_fmt"], params["b_fmt"]) in CUDNN_SCALED_PAIRS:
+    if gpu.compute_capability >= 10 and (params["a_fmt"], params["b_fmt"]) in CUDNN_SCALED_PAIRS:
         return scaled_matmul_cudnn(*args, **params)
     return scaled_matmul_bf16(*args, **params)
 
@@ -937,5 +973,5 @@ scaled_matmul_p.def_abstract_eval(_scaled_matmul_abstract)
 batching.primitive_batchers[scaled_matmul_p] = _scaled_matmul_batch
 _register_lowerings(scaled_matmul_p, None, _scaled_matmul_ref,
                     kernel_impl=_scaled_matmul_kernels,
-                    cuda_impl=("jax_fp4_dequantize_v1", lambda avals, params: True,
+                    cuda_impl=("jax_fp4_dequantize_v1", lambda avals, params, gpu: True,
                                _scaled_matmul_cuda))

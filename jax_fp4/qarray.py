@@ -1,4 +1,4 @@
-"""QArray: a quantized array as an immutable JAX pytree (DESIGN.md section 4)."""
+"""QArray: a quantized array as an immutable JAX pytree (docs/spec.md section 4)."""
 from __future__ import annotations
 
 import math

@@ -1,6 +1,6 @@
 """The pure-jnp reference implementation of every format: the definition of jax-fp4.
 
-Everything here implements DESIGN.md section 3 exactly, on the canonical 2-D view used by
+Everything here implements docs/spec.md section 3 exactly, on the canonical 2-D view used by
 the primitives and the FFI kernels (csrc/README.md): ``x`` is ``(R, K)`` with the blocked
 axis last and ``K % block_size == 0``. The CPU and CUDA kernels must match these functions
 bit for bit; tests use them as the oracle, and any platform without our kernels (TPU,
@@ -406,7 +406,7 @@ def _quantize_int4(xb, scale_dtype):
 def dequantize_2d(codes, scales, zeros, fmt, block_size, k, dtype, *, tensor_scale=None):
     """Dequantize FFI-layout buffers (see :func:`quantize_2d`) to (R, K) ``dtype``.
 
-    The value is computed in float32 (DESIGN.md section 3 decode rules) and rounded to
+    The value is computed in float32 (docs/spec.md section 3 decode rules) and rounded to
     ``dtype`` (float32, bfloat16, float16) to nearest even.
     """
     f = get_format(fmt)

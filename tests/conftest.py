@@ -58,6 +58,12 @@ def _float32_matmuls_on_gpu():
 
 
 def pytest_collection_modifyitems(config, items):
+    # JAX_FP4_TEST_SHARD=i/n: run every n-th test from the i-th (0-based), so that n
+    # processes share one GPU run (each compiles on its own cores)
+    shard = os.environ.get("JAX_FP4_TEST_SHARD")
+    if shard:
+        i, n = (int(v) for v in shard.split("/"))
+        items[:] = [it for j, it in enumerate(items) if j % n == i]
     if has_gpu():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (jax.devices() has none)")

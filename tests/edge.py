@@ -1,5 +1,5 @@
 """Test inputs shared by the reference, kernel and API tests: fresh random data plus the
-edge values DESIGN.md section 3 singles out (ties, zeros, -0.0, subnormals, huge, Inf,
+edge values docs/spec.md section 3 singles out (ties, zeros, -0.0, subnormals, huge, Inf,
 NaN)."""
 import numpy as np
 

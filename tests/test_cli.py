@@ -240,3 +240,64 @@ def test_python_dash_m(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["qarrays"][0]["name"] == "w"
+
+
+# ----------------------------------------------------------------------------- bad input
+def test_cli_clear_errors_for_paths(tmp_path, capsys):
+    """A folder or a missing file as input, or an output in a missing folder: exit status 2
+    and one line naming the argument and the path, no traceback."""
+    src = tmp_path / "in.safetensors"
+    _torch_style_checkpoint(src)
+    assert main(["inspect", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jax-fp4: error: FILE:") and "directory" in err
+    assert "in.safetensors" in err and "Traceback" not in err
+    assert main(["inspect", str(tmp_path / "none.safetensors")]) == 2
+    assert "none.safetensors: no such file" in capsys.readouterr().err
+    dst = tmp_path / "missing" / "out.safetensors"
+    assert main(["quantize", str(src), str(dst), "--format", "nf4"]) == 2
+    err = capsys.readouterr().err
+    assert "OUT:" in err and str(tmp_path / "missing") in err and "does not exist" in err
+    assert not (tmp_path / "missing").exists()
+    assert main(["quantize", str(tmp_path), str(tmp_path / "o.safetensors"), "--format",
+                 "nf4"]) == 2
+    assert "IN:" in capsys.readouterr().err
+
+
+def test_cli_block_size_one_error(tmp_path, capsys):
+    """A block size the format forbids, or one that fits no selected tensor: one error up
+    front (exit status 2), no per-tensor warnings, nothing written."""
+    src, dst = tmp_path / "in.safetensors", tmp_path / "out.safetensors"
+    _torch_style_checkpoint(src)
+    with __import__("warnings").catch_warnings():
+        __import__("warnings").simplefilter("error")  # any warning fails the test
+        assert main(["quantize", str(src), str(dst), "--format", "nvfp4",
+                     "--block-size", "7"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "--block-size" in err and "16" in err and "7" in err
+        assert main(["quantize", str(src), str(dst), "--format", "int4",
+                     "--block-size", "7"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "--block-size" in err
+        assert "layers.0.mlp.up_proj.weight (K=64 not a multiple of 7)" in err
+    assert not dst.exists()
+    # a block size that fits some tensors: quantized, the rest named in one note
+    assert main(["quantize", str(src), str(dst), "--format", "int4", "--block-size", "128"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "note" in err and "K=64 not a multiple of 128" in err
+    assert isinstance(jio.load(dst)["layers.0.mlp.down_proj.weight"], jf.QArray)
+
+
+def test_demo_refuses_quantized_checkpoint(tmp_path, capsys):
+    """`demo --model` on a `jax-fp4 quantize`d checkpoint: a clear error instead of a
+    "float32" row that is not float32."""
+    d = _have_model()
+    for f in ("config.json", "tokenizer.json"):
+        shutil.copy(d / f, tmp_path / f)
+    assert main(["quantize", str(d / "model.safetensors"), str(tmp_path / "model.safetensors"),
+                 "--format", "nf4"]) == 0
+    capsys.readouterr()
+    assert main(["demo", "--model", str(tmp_path), "--limit", "4", "--formats", "int4",
+                 "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "quantized to nf4" in err and "float checkpoint" in err and str(tmp_path) in err

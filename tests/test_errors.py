@@ -1,4 +1,4 @@
-"""Every bad input of DESIGN.md section 5 raises a clear error naming the argument."""
+"""Every bad input of docs/spec.md section 5 raises a clear error naming the argument."""
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -1,15 +1,15 @@
-"""Bit-exactness against the peers DESIGN.md section 3 names: torchao 0.18 (NVFP4, MX,
+"""Bit-exactness against the peers docs/spec.md section 3 names: torchao 0.18 (NVFP4, MX,
 the 128x4 scale swizzle) and bitsandbytes 0.50 (NF4, FP4) on CPU.
 
 Every comparison is on raw bytes: packed codes, scale bits (E4M3 / E8M0 / float32
 absmax) and dequantized values. Inputs are fresh random data each run (the seed is in
 every assertion message; set JAX_FP4_TEST_SEED=<int> to replay one) plus fixed edge values
 that the spec says are exact: zeros, -0.0, rounding ties, scale ties, saturation, huge
-values and float32 subnormals. Where DESIGN.md documents a difference (MX blocks whose
+values and float32 subnormals. Where docs/spec.md documents a difference (MX blocks whose
 scale code is 0; torchao's float log2 in RCEIL; NVFP4 per-tensor scale of an all-zero
 or tiny tensor; non-finite input) the random data avoids exactly that case and a separate
 test pins both our documented behaviour and the peer's. One peer quirk is not in
-DESIGN.md: bitsandbytes' C++ CPU dequantize to bfloat16 flushes subnormal results to zero
+docs/spec.md: bitsandbytes' C++ CPU dequantize to bfloat16 flushes subnormal results to zero
 (test_bnb_bf16_dequant_flushes_subnormals); only those cells are exempt.
 
 Run: pytest tests/test_peers.py -m peers   (needs `pip install -e .[peers]`).
@@ -314,7 +314,7 @@ def test_tensor_scale_from_amax_vs_torchao(seed):
 
 @pytest.mark.peers
 def test_nvfp4_documented_differences():
-    """DESIGN.md: tensor_scale_from_amax(0) is 1.0 (torchao: 0 -> NaN scales), and the
+    """docs/spec.md: tensor_scale_from_amax(0) is 1.0 (torchao: 0 -> NaN scales), and the
     per-tensor scale is at least 2**-120."""
     z = np.zeros((2, 32), np.float32)
     q = jax_fp4.quantize(jnp.asarray(z), "nvfp4", tensor_scale="auto")
@@ -334,7 +334,7 @@ def test_nvfp4_documented_differences():
 
 # ---------------------------------------------------------------------- MX (torchao)
 def mx_q_of(amax, max_elem):
-    """q = f32(amax / max_elem) as torchao and DESIGN.md compute it (numpy IEEE f32)."""
+    """q = f32(amax / max_elem) as torchao and docs/spec.md compute it (numpy IEEE f32)."""
     with np.errstate(all="ignore"):
         return np.float32(amax) / np.float32(max_elem)
 
@@ -450,7 +450,7 @@ def test_mx_vs_torchao(fmt, dtype, rounding, seed):
 
 
 def spec_elem_codes(x, fmt, code):
-    """DESIGN.md MX element rule with an explicit scale code: RNE(clamp(x * 2**(127-code)))
+    """docs/spec.md MX element rule with an explicit scale code: RNE(clamp(x * 2**(127-code)))
     computed exactly in float64, then ml_dtypes' RNE cast."""
     mf = get_format(fmt).elem
     v = np.clip(x.astype(np.float64) * 2.0 ** (127 - code), -mf.max_value, mf.max_value)
@@ -495,7 +495,7 @@ def test_mx_scale_code_zero_documented_difference(fmt, rounding, seed):
 @pytest.mark.parametrize("fmt", list(MX_ELEM))
 def test_mx_rceil_exact_ceiling_documented_difference(fmt, seed):
     """Our RCEIL code is the exact power-of-two ceiling of q = f32(amax/max_elem)
-    (DESIGN.md); torchao's float ceil(log2(q)) misses the +1 for some q just above a
+    (docs/spec.md); torchao's float ceil(log2(q)) misses the +1 for some q just above a
     power of two, and agrees everywhere else."""
     rng = np.random.default_rng(seed)
     mf = get_format(fmt).elem
@@ -521,7 +521,7 @@ def test_mx_rceil_exact_ceiling_documented_difference(fmt, seed):
     s, _ = to_mx(torch.from_numpy(x), MX_ELEM[fmt], 32, ScaleCalculationMode.RCEIL)
     peer = ubits(s)[:, 0].astype(np.int64)
     diff = np.nonzero(peer != ours)[0]
-    assert len(diff), "torchao now agrees on every RCEIL corner: update DESIGN.md"
+    assert len(diff), "torchao now agrees on every RCEIL corner: update docs/spec.md"
     assert (peer[diff] == ours[diff] - 1).all(), (
         f"torchao RCEIL differs other than by a missed +1: amax {amax[diff][:4].tolist()}")
     assert rceil_log2_risky(amax[diff], mf.max_value).all(), (
@@ -565,7 +565,7 @@ def test_to_blocked_vs_torchao(shape, seed):
     rng = np.random.default_rng(seed)
     rows, cols = shape
     s = rng.integers(1, 256, size=shape, dtype=np.uint8)  # nonzero: padding is visible
-    # the scale dtypes keep their bits, and the padding is the all-zero byte (DESIGN.md
+    # the scale dtypes keep their bits, and the padding is the all-zero byte (docs/spec.md
     # "Padding is zero"; torchao pads with torch.zeros, bits 0x00 also for E8M0)
     f32 = rng.standard_normal(shape).astype(np.float32)  # nf4 / bnb_fp4 absmax
     e4 = rng.integers(1, 0x7F, size=shape, dtype=np.uint8)  # finite nonzero E4M3 codes
@@ -647,7 +647,7 @@ def codebook_edge_blocks(rng, bs, fmt, dtype):
         blocks.append(blk)
     tiny = np.float32([1e-10, -1e-10, 1e-30, -1e-30, 1e-45, -1e-45, 0.0, -0.0])
     blk = rng.choice(tiny, bs).astype(np.float32)
-    blk[rng.integers(bs)] = 1.0  # tiny positives: bnb_fp4 code 8 (DESIGN.md)
+    blk[rng.integers(bs)] = 1.0  # tiny positives: bnb_fp4 code 8 (docs/spec.md)
     blocks.append(blk)
     blocks.append((rng.standard_normal(bs) * 1e-40).astype(np.float32))  # absmax < 1e-38
     blk = (rng.uniform(-1, 1, bs) * 1e-38).astype(np.float32)
@@ -724,8 +724,8 @@ def bnb_fp4_negzero_cells(packed, ours, peer):
 
 @pytest.mark.peers
 def test_bnb_fp4_scalar_kernel_negative_zero():
-    """Not in DESIGN.md: bitsandbytes 0.50 on a CPU without AVX-512 dequantizes FP4 with
-    its scalar C++ kernel, which decodes code 8 (its quantizer's code for small positive
+    """Peer difference (docs/spec.md section 3): bitsandbytes 0.50 on a CPU without
+    AVX-512 dequantizes FP4 with its scalar C++ kernel, which decodes code 8 (its quantizer's code for small positive
     values) as 0 * absmax * -1 = -0; its table paths (the AVX-512 kernel, the torch path
     for blocksize >= 2048) and its code table give +0. We follow the table (+0). This test
     pins the difference to exactly that sign of zero on the path this machine takes."""
@@ -760,8 +760,8 @@ def bf16_ftz_cells(ours, peer):
 @pytest.mark.parametrize("blocksize", [64, 4096])
 @pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
 def test_bnb_bf16_dequant_flushes_subnormals(quant_type, blocksize, seed):
-    """Not in DESIGN.md: bitsandbytes 0.50 dequantize_4bit(dtype=bfloat16) on CPU with
-    AVX-512 uses a C++ kernel (blocksize < 2048) whose float32 -> bf16 conversion flushes
+    """Peer difference (docs/spec.md section 3): bitsandbytes 0.50
+    dequantize_4bit(dtype=bfloat16) on CPU with AVX-512 uses a C++ kernel (blocksize < 2048) whose float32 -> bf16 conversion flushes
     subnormal results to zero (AVX512-BF16 vcvtneps2bf16 is always FTZ); its float32
     output and its other paths (the pure-torch one at blocksize >= 2048; a scalar C++
     kernel without AVX-512) are asserted to differ from ours only by such flushes. We follow

@@ -8,7 +8,7 @@
 // The per-block arithmetic is csrc/codecs.h, shared with the CPU kernels; per element,
 // hardware conversions and the fast encoders below that equal the codecs.h ones, so the
 // kernels match the reference bit for bit. Element indices are 64-bit (tensors above
-// 2^31 elements). Design log and measurements: benchmarks/NOTES.md.
+// 2^31 elements). Design log and measurements: benchmarks/log/NOTES.md.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -596,7 +596,7 @@ struct Coded {
 
 // Dequantize handles two chunks per thread and step, one in each half of the tensor:
 // twice the loads in flight per thread (the kernel runs at one CTA per SM, where
-// write-heavy streams reach the most DRAM bandwidth, benchmarks/NOTES.md).
+// write-heavy streams reach the most DRAM bandwidth, benchmarks/log/NOTES.md).
 struct Coded2 {
   Coded c[2];
 };
@@ -689,7 +689,7 @@ ffi::Error with_fmt(int fmt, F&& f) {
 }
 
 // CTAs for n_chunks chunks (one per thread and step), capped at ctas_per_sm per SM
-// (grid-stride beyond that). Measured on an H100 (benchmarks/NOTES.md): quantize and
+// (grid-stride beyond that). Measured on an H100 (benchmarks/log/NOTES.md): quantize and
 // fake-quantize (2 resident CTAs per SM) do best with 8 waves (16 per SM); dequantize,
 // whose traffic is 80% writes, with a single CTA per SM.
 int grid_for(int64_t n_chunks, int ctas_per_sm) {
@@ -902,9 +902,11 @@ ffi::Error TensorScaleImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ff
 }  // namespace jf4
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4QuantizeV1Cuda, jf4::cuda::QuantizeV1Impl,
-                              jf4::cuda::QuantizeBinding());
+                              jf4::cuda::QuantizeBinding(),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4QuantizeV2Cuda, jf4::cuda::QuantizeImpl,
-                              jf4::cuda::QuantizeBinding().Attr<int32_t>("swizzled"));
+                              jf4::cuda::QuantizeBinding().Attr<int32_t>("swizzled"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4DequantizeV1Cuda, jf4::cuda::DequantizeImpl,
                               ffi::Ffi::Bind()
@@ -916,7 +918,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4DequantizeV1Cuda, jf4::cuda::DequantizeImpl,
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int32_t>("fmt")
                                   .Attr<int64_t>("block_size")
-                                  .Attr<int32_t>("two_level"));
+                                  .Attr<int32_t>("two_level"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4FakeQuantizeV1Cuda, jf4::cuda::FakeQuantizeImpl,
                               ffi::Ffi::Bind()
@@ -927,10 +930,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4FakeQuantizeV1Cuda, jf4::cuda::FakeQuantizeI
                                   .Attr<int32_t>("fmt")
                                   .Attr<int64_t>("block_size")
                                   .Attr<int32_t>("rceil")
-                                  .Attr<int32_t>("two_level"));
+                                  .Attr<int32_t>("two_level"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4TensorScaleV1Cuda, jf4::cuda::TensorScaleImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>());
+                                  .Ret<ffi::AnyBuffer>(),
+                              {xla::ffi::Traits::kCmdBufferCompatible});

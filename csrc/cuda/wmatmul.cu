@@ -5,10 +5,11 @@
 // x (M, K) bf16/f16; w (N, K) a 4-bit QArray blocked along K (nvfp4 with or without the
 // per-tensor scale, mxfp4, nf4, bnb_fp4, int4); partial (S, M, N) float32, summed over
 // the S K-splits by the caller (jax_fp4/primitives.py), or x's dtype when S = 1. Each
-// weight element is decoded to the value the reference gives it (float32 value, rounded
-// to x's dtype to nearest even) inside the main loop -- no dequantized weight reaches
-// HBM -- and multiplied on the tensor cores (float32 accumulation). How it is decoded
-// (bit path / table path) is described above decode_word.
+// weight element is decoded inside the main loop -- no dequantized weight reaches HBM --
+// to the reference's value rounded once to x's dtype, except NVFP4's per-tensor scale,
+// which multiplies the float32 accumulator instead (the W4A16 tolerance contract,
+// docs/spec.md), and multiplied on the tensor cores (float32 accumulation). How it is
+// decoded (bit path / table path) is described above decode_word.
 //
 // Tiling. The weight plays the MMA's A operand (16 rows x 16 k per warp, row-major =
 // (N, K) storage) and the activations its B operand, so decode (M = 1) uses the tensor
@@ -67,7 +68,8 @@ struct WParams {
   int bs_shift;            // log2(bs)
   int64_t n_steps;         // ceil(K / step): step = 128 k (staged) or kDirectStepK (direct)
   int64_t steps_per_split;
-  int two_level;
+  int two_level;           // NVFP4 with a per-tensor scale: applied to the accumulator
+  int ts_stride;           // ts holds one scale per weight row (1) or one for all (0)
   int st;                  // INT4 scale storage type
   int out_f32;             // output float32 (else x's dtype: one split only)
   int scale_boxes;         // wgmma kernel: the scales come by TMA with the stages
@@ -77,7 +79,15 @@ struct WParams {
   int tile_srow;           // prepared layout: scale bytes per row and 128-k step, and INT4's
   int tile_zrow;           // zero-point bytes (launch_wgmma; wg_tile_scale_row)
   int cluster;             // wgmma kernel at BN = 256: CTAs per cluster, 1 or 2 (x multicast)
+  int split_reduce;        // wgmma kernel: the K-splits of a tile form one cluster along z and
+                           // sum their partials in it (launch_wgmma); else one output per split
 };
+
+// The decode paths a format has (use_bit_path; described above decode_word).
+template <int FMT>
+constexpr bool kHasBitPath = FMT == kNVFP4 || FMT == kINT4 || FMT == kMXFP4;
+template <int FMT>
+constexpr bool kHasTablePath = FMT != kNVFP4 && FMT != kMXFP4;
 
 // Raw bits of one weight row's K-chunk (32 elements).
 struct Chunk {
@@ -118,7 +128,7 @@ __device__ float code_value(uint32_t c) {
 // ask L2 to fetch the whole 128-byte line (PTX .L2::128B prefetch size): the wgmma kernel
 // reads 64 bytes of a row per step, and the line brings the next step's half with it
 // (nvfp4 8192 x 28672, M = 16: 83 -> 73 us; the direct kernel, which reads whole lines,
-// and the scale loads did not change; benchmarks/NOTES.md).
+// and the scale loads did not change; benchmarks/log/NOTES.md).
 template <bool CHECK>  // CHECK = false: the caller knows the load is in bounds
 __device__ __forceinline__ uint4 ld_weight16(const void* ptr, bool valid) {
   uint4 v;
@@ -156,15 +166,12 @@ __device__ __forceinline__ uint32_t ld_weight(const void* ptr, bool valid) {
 }
 #undef JF4_LD_WEIGHT
 
-// The block scale in float32, as the reference decodes it (DESIGN.md section 3), for the
-// table path (MXFP4 always takes its bit path, use_bit_path).
+// The block scale in float32, as the reference decodes it (docs/spec.md section 3), for the
+// table path (NVFP4 and MXFP4 always take their bit path, use_bit_path).
 template <int FMT>
-__device__ float scale_value(uint32_t bits, float ts, const WParams& p) {
-  static_assert(FMT != kMXFP4, "MXFP4 decodes by its bit path");
-  if constexpr (FMT == kNVFP4) {
-    const float s = e4m3_decode(bits);
-    return p.two_level ? __fmul_rn(ts, s) : s;
-  } else if constexpr (FMT == kINT4) {
+__device__ float scale_value(uint32_t bits, const WParams& p) {
+  static_assert(kHasTablePath<FMT>, "NVFP4 and MXFP4 decode by their bit path");
+  if constexpr (FMT == kINT4) {
     return scale_from_bits(bits, p.st);
   } else {
     return u2f(bits);
@@ -283,10 +290,10 @@ __device__ __forceinline__ uint32_t hfma2(uint32_t a, uint32_t b, uint32_t c) { 
 // - bit path:   register p = physical (p, p+4), so that one shift and one LOP3 place both
 //               nibbles of a pair (nibble p in bits 4p.., nibble p+4 in bits 4p+16..).
 //
-// Bit path (nvfp4 one level, mxfp4, int4 with scales in x's dtype or f16 scales with bf16
+// Bit path (nvfp4, mxfp4, int4 with scales in x's dtype or f16 scales with bf16
 // x): the element value v and the block scale s are exact in x's dtype (or in factors that
 // are) and v * s is exact in float32, so packed multiplies whose last alone rounds give
-// the reference's float32 product rounded to x's dtype (DESIGN.md section 3, "Dequantize to
+// the reference's float32 product rounded to x's dtype (docs/spec.md section 3, "Dequantize to
 // bf16/f16").
 // E2M1: magnitude bits (e1 e0 m) go to the dtype's lowest exponent bits and top mantissa
 // bit (bf16 bits 8:6, f16 bits 11:9) and the sign to bit 15: those bits are the value
@@ -358,12 +365,10 @@ __device__ __forceinline__ void e2m1_bits(uint32_t w, uint32_t p[4]) {
 template <bool BF16>
 constexpr uint32_t kInt4Magic = BF16 ? 0x43004300u : 0x64006400u;  // 128 / 1024
 
-template <int FMT>
-constexpr bool kHasBitPath = FMT == kNVFP4 || FMT == kINT4 || FMT == kMXFP4;
 // The kernels' BITS: 0 the table path, 1 the bit path, kBitsSplit INT4's bit path with the
 // scale split in two bf16 factors (f16 scales, bf16 x).
 constexpr int kBitsSplit = 2;
-// nvfp4 (one level) folds the placement's factor into the scale and the float32
+// nvfp4 (either level) folds the placement's factor into the scale and the float32
 // accumulator, one multiply per pair. bf16 x: the 2^126 as s * 2^117 (<= 448 * 2^117,
 // finite in bf16) and 2^9: the MMA sees w * 2^-9 (exact: |w| >= 2^-10, so w * 2^-9 stays a
 // normal bf16). f16 x: the 2^14 as s * 2^6 (<= 28672, finite in f16) and 2^8: the MMA sees
@@ -397,8 +402,7 @@ struct Dec {
 };
 
 template <int FMT, bool BF16, int BITS>
-__device__ __forceinline__ Dec make_dec(uint32_t sbits, uint32_t zbits, float ts,
-                                        const WParams& p) {
+__device__ __forceinline__ Dec make_dec(uint32_t sbits, uint32_t zbits, const WParams& p) {
   static_assert(!BITS || FMT == kINT4, "make_decs decodes the other bit-path scales itself");
   Dec d;
   if constexpr (BITS == kBitsSplit) {  // INT4, f16 scales, bf16 x: hi + lo (see above)
@@ -415,7 +419,7 @@ __device__ __forceinline__ Dec make_dec(uint32_t sbits, uint32_t zbits, float ts
     d.s2 = (sbits & 0xffffu) * 0x10001u;
     d.z2 = ((kInt4Magic<BF16> & 0xffffu) + zbits) * 0x10001u;  // 128 + z / 1024 + z: exact
   } else {
-    d.s = scale_value<FMT>(sbits, ts, p);
+    d.s = scale_value<FMT>(sbits, p);
     d.z = static_cast<float>(zbits);
   }
   return d;
@@ -436,7 +440,7 @@ __device__ __forceinline__ bool mx_scale_fixup(const Chunk (&c)[2]) {
 
 // Both halves of a chunk.
 template <int FMT, bool BF16, int BITS>
-__device__ __forceinline__ void make_decs(const Chunk& c, float ts, const WParams& p, Dec d[2]) {
+__device__ __forceinline__ void make_decs(const Chunk& c, const WParams& p, Dec d[2]) {
   if constexpr (FMT == kNVFP4 && BITS) {
     float s0, s1;
     e4m3x2_decode(c.s, &s0, &s1);
@@ -472,17 +476,14 @@ __device__ __forceinline__ void make_decs(const Chunk& c, float ts, const WParam
     d[0].s2 = ((e < 128u ? e : 128u) + 126u) * 0x800080u;
     d[0].z2 = e <= 128u ? 0x3f803f80u : e == 255u ? 0x7fc07fc0u : (e - 1u) * 0x800080u;
     d[1] = d[0];
-  } else if constexpr (FMT == kNVFP4) {
-    d[0] = make_dec<FMT, BF16, BITS>(c.s & 0xffu, 0, ts, p);
-    d[1] = make_dec<FMT, BF16, BITS>(c.s >> 8, 0, ts, p);
   } else if constexpr (FMT == kINT4 && BITS) {  // s1, z >> 8 repeat s, z unless bs == 16
-    d[0] = make_dec<FMT, BF16, BITS>(c.s, c.z & 0xffu, ts, p);
-    d[1] = make_dec<FMT, BF16, BITS>(c.s1, c.z >> 8, ts, p);
+    d[0] = make_dec<FMT, BF16, BITS>(c.s, c.z & 0xffu, p);
+    d[1] = make_dec<FMT, BF16, BITS>(c.s1, c.z >> 8, p);
   } else if constexpr (FMT == kINT4) {
-    d[0] = make_dec<FMT, BF16, BITS>(c.s, c.z & 0xffu, ts, p);
-    d[1] = p.bs == 16 ? make_dec<FMT, BF16, BITS>(c.s1, c.z >> 8, ts, p) : d[0];
+    d[0] = make_dec<FMT, BF16, BITS>(c.s, c.z & 0xffu, p);
+    d[1] = p.bs == 16 ? make_dec<FMT, BF16, BITS>(c.s1, c.z >> 8, p) : d[0];
   } else {
-    d[0] = d[1] = make_dec<FMT, BF16, BITS>(c.s, 0, ts, p);
+    d[0] = d[1] = make_dec<FMT, BF16, BITS>(c.s, 0, p);
   }
 }
 
@@ -666,7 +667,9 @@ __device__ __forceinline__ void zero(float* a) {
 }
 
 // The per-tensor scale of each of a lane's rows n0 + 16 rt + 8 h, rt < TILES (1 without
-// one).
+// one). NVFP4's decode leaves it out (every format decodes on its bit path or table
+// without it): the epilogue multiplies the float32 accumulator by it, which the W4A16
+// tolerance contract allows (docs/spec.md) and which keeps the decode one multiply per pair.
 template <int TILES = kRowTiles>
 __device__ __forceinline__ void load_tensor_scales(const float* __restrict__ ts, int64_t n0,
                                                    const WParams& p, float (*tsv)[2]) {
@@ -675,7 +678,7 @@ __device__ __forceinline__ void load_tensor_scales(const float* __restrict__ ts,
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int64_t n = n0 + rt * 16 + h * 8;
-      tsv[rt][h] = p.two_level ? __ldg(ts + (n < p.N ? n : p.N - 1)) : 1.0f;
+      tsv[rt][h] = p.two_level ? __ldg(ts + (p.ts_stride ? (n < p.N ? n : p.N - 1) : 0)) : 1.0f;
     }
 }
 
@@ -699,10 +702,11 @@ __device__ __forceinline__ void store_out4(void* out, int64_t o, float4 v, const
 }
 
 // D fragment: lane (g, t) holds rows (weight n) g / g + 8, columns (activation m) 2t, 2t+1.
+// scale: the decode's folded factor (kAccScale); rs[h]: row g + 8 h's per-tensor scale.
 template <bool BF16, int MT>
 __device__ __forceinline__ void store_tile(void* out, const float (*acc)[4], float scale,
-                                           int64_t n0, int64_t m0, int g, int t,
-                                           const WParams& p) {
+                                           const float* rs, int64_t n0, int64_t m0, int g,
+                                           int t, const WParams& p) {
   const int64_t z_off = static_cast<int64_t>(blockIdx.z) * p.M * p.N;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -713,7 +717,7 @@ __device__ __forceinline__ void store_tile(void* out, const float (*acc)[4], flo
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int64_t m = m0 + 8 * mt + 2 * t + e;
-        if (m < p.M) store_out<BF16>(out, z_off + m * p.N + n, acc[mt][2 * h + e] * scale, p);
+        if (m < p.M) store_out<BF16>(out, z_off + m * p.N + n, acc[mt][2 * h + e] * scale * rs[h], p);
       }
   }
 }
@@ -806,7 +810,7 @@ __global__ void __launch_bounds__(kWarps * 32) wmatmul_kernel(
 #pragma unroll
     for (int rt = 0; rt < kRowTiles; ++rt)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) make_decs<FMT, BF16, BITS>(cur[rt][h], tsv[rt][h], p, d[rt][h]);
+      for (int h = 0; h < 2; ++h) make_decs<FMT, BF16, BITS>(cur[rt][h], p, d[rt][h]);
 
 #pragma unroll
     for (int s2 = 0; s2 < 4; ++s2) {  // physical elements [8 s2, 8 s2 + 8) of the chunk
@@ -825,7 +829,7 @@ __global__ void __launch_bounds__(kWarps * 32) wmatmul_kernel(
 
 #pragma unroll
   for (int rt = 0; rt < kRowTiles; ++rt)
-    store_tile<BF16, MT>(out, acc[rt], kAccScale<FMT, BF16, BITS>, n_warp + rt * 16, m0, g, t, p);
+    store_tile<BF16, MT>(out, acc[rt], kAccScale<FMT, BF16, BITS>, tsv[rt], n_warp + rt * 16, m0, g, t, p);
 }
 
 // Decode kernel (M <= 16): each warp owns kRowTiles 16-row weight tiles (lane (g, t):
@@ -902,7 +906,7 @@ __global__ void __launch_bounds__(kWarps * 32, 4) wmatmul_direct_kernel(
 #pragma unroll
       for (int rt = 0; rt < kRowTiles; ++rt)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) make_decs<FMT, BF16, BITS>(c[rt][h][j], tsv[rt][h], p, d[rt][h]);
+        for (int h = 0; h < 2; ++h) make_decs<FMT, BF16, BITS>(c[rt][h][j], p, d[rt][h]);
 #pragma unroll
       for (int s2 = 0; s2 < 4; ++s2)
 #pragma unroll
@@ -932,7 +936,7 @@ __global__ void __launch_bounds__(kWarps * 32, 4) wmatmul_direct_kernel(
 
 #pragma unroll
   for (int rt = 0; rt < kRowTiles; ++rt)
-    store_tile<BF16, MT>(out, acc[rt], kAccScale<FMT, BF16, BITS>, n_warp + rt * 16, 0, g, t, p);
+    store_tile<BF16, MT>(out, acc[rt], kAccScale<FMT, BF16, BITS>, tsv[rt], n_warp + rt * 16, 0, g, t, p);
 }
 
 // ---- wgmma kernel (sm_90a; on Hopper from M = 1: primitives.wmatmul_tile_m) ----
@@ -943,7 +947,7 @@ __global__ void __launch_bounds__(kWarps * 32, 4) wmatmul_direct_kernel(
 // wg: rows 64 wg + 16 warp + {g, g + 8}, lane t owning k [32 t, 32 t + 32) of each per
 // 128-k step, as in the staged kernel) and BN activation rows; per 128-k step each
 // warpgroup issues 8 wgmma m64nBNk16, BN = 8 .. 256 (the caller's tile_m: 8 for M <= 8,
-// where n8 against n16 was 1-6% faster on the H100, benchmarks/NOTES.md round 11). The
+// where n8 against n16 was 1-6% faster on the H100, benchmarks/log/NOTES.md round 11). The
 // MMA sums over k, so the activations must sit in shared memory in the lane's k order:
 // the caller passes x pre-permuted within each 128-k block (jax_fp4/primitives.py,
 // wmatmul_x_layout), so that plain tile copies do.
@@ -954,7 +958,7 @@ __global__ void __launch_bounds__(kWarps * 32, 4) wmatmul_direct_kernel(
 // behind it, completing on the stage's `full` mbarrier; wg_stages<FMT, BITS, BN> stages. The copies
 // carry L2 hints: the codes, read once, are evicted first, the activations, which every
 // CTA re-reads, last (without them the codes pushed x out of L2 and the kernel read 31%
-// more DRAM bytes than the weight; benchmarks/NOTES.md, round 3). A
+// more DRAM bytes than the weight; benchmarks/log/NOTES.md, round 3). A
 // warpgroup keeps one wgmma group in flight across steps, so the stage of step s - 1
 // may still be read during step s. Once a warp's first wgmma group of step s is issued
 // and the group before it done, the warp is done with step s - 1 and arrives on that
@@ -972,7 +976,7 @@ __global__ void __launch_bounds__(kWarps * 32, 4) wmatmul_direct_kernel(
 //    last copy, and the consumers' epilogue synchronises on named barrier 1. Against a
 //    CTA barrier per step with only stages - 2 = 1 step of copies ahead (three stages of
 //    72 KB fill the SM), M = 1024 on 8192 x 28672: nvfp4 645 -> 602, mxfp4 890 -> 733,
-//    int4 890 -> 767 us (benchmarks/NOTES.md, round 5).
+//    int4 890 -> 767 us (benchmarks/log/NOTES.md, round 5).
 //    Where the caller asks (attribute `cluster` = 2, primitives.wmatmul_cluster), the
 //    BN = 256 kernel runs in clusters of two CTAs on adjacent 128-row weight tiles with
 //    the same activation tile: each producer copies one 64-k box of it into both CTAs'
@@ -980,11 +984,11 @@ __global__ void __launch_bounds__(kWarps * 32, 4) wmatmul_direct_kernel(
 //    only once the consumers of both CTAs released it: each producer, after its own
 //    `empty` barrier, arrives on its own and the other CTA's `pair` barrier and waits on
 //    its own. (M = 1024, 8192 x 28672: mxfp4 762 -> 672, int4 765 -> 697 us; nvfp4 601
-//    -> 627, faster only from M = 2048; benchmarks/NOTES.md, round 6.)
+//    -> 627, faster only from M = 2048; benchmarks/log/NOTES.md, round 6.)
 // Each lane reads its two 16-byte code chunks of a step from the stage (a warp reads 512
 // contiguous bytes). (Against codes loaded by the lanes into registers: mxfp4, nf4, int4
 // 2-9% faster at M = 8..1024, nvfp4 within 2% at M <= 64 and 2-3% slower at M >= 256;
-// benchmarks/NOTES.md, round 3.) The block scales (and INT4 zero points) come one of two
+// benchmarks/log/NOTES.md, round 3.) The block scales (and INT4 zero points) come one of two
 // ways: as scale boxes in the stage (wg_boxes<FMT, BITS, BN> and launch_wgmma's checks on
 // the scale rows), one more tensor copy of the 128 rows x 16 aligned bytes that hold the
 // step's blocks, read by the lanes from shared memory; or loaded by the lanes from global
@@ -1019,7 +1023,7 @@ __host__ __device__ constexpr bool wg_can_multicast() { return wg_producer<BN>()
 //   3 stages. Harness, H100, nf4 prepared, 8192 x 28672 / 28672 x 8192, us, before -> now
 //   (16 copies with a three-op address at BN <= 16, the lane table at 128): M = 1 72.9 /
 //   64.6 -> 61.3 / 56.0, M = 16 78.9 / 69.4 -> 64.0 / 57.9, M = 128 130.7 -> 119.0
-//   (benchmarks/NOTES.md round 18).
+//   (benchmarks/log/NOTES.md round 18).
 // - BN = 32, 64: 16 pair-table copies (32 KB), where 64 KB would cost a CTA per SM or
 //   (BN = 32 with 2 stages) 10% (H200, M = 32: 73.7 -> 80.7 us); 16 copies took M = 16 126
 //   -> 82 us, M = 32 131 -> 87 against 4 copies (round 6), M = 64 141 -> 94 (round 7).
@@ -1046,7 +1050,7 @@ __host__ __device__ constexpr int wg_words() { return BN >= 256 || (!BITS && FMT
 // prepared M = 256 175.7-177.5 -> 172.5-174.1, M = 1024 616.2-617.9 -> 607.7-609.7; H200
 // alike (M = 4096 2468-2499 -> 2436-2440). At BN = 16-128 1-5% slower with two words (M =
 // 16 63.3 / 57.5 -> 66.7 / 59.9), up to 27% with one; loading the next step's first group
-// during the step before too, 3-19% slower (benchmarks/NOTES.md round 22).
+// during the step before too, 3-19% slower (benchmarks/log/NOTES.md round 22).
 template <int FMT, int BN>
 __host__ __device__ constexpr bool wg_table_ahead() { return BN == 256 || (BN == 8 && wg_words<FMT, false, BN>() == 1); }
 // 128-k steps per stage: 2 for the bit path at BN <= 64, for the prepared bit path at
@@ -1055,7 +1059,7 @@ __host__ __device__ constexpr bool wg_table_ahead() { return BN == 256 || (BN ==
 // - BN = 8 to 32, 3 stages of two (6 steps ahead). Through JAX on the H100, 8192 x 28672 /
 //   28672 x 8192: mxfp4 M = 1 59.4 / 56.5 -> 55.2 / 54.2 us, M = 16 63.1 / 60.5 -> 58.4 /
 //   55.8; nvfp4 (with its scale boxes, wg_boxes) M = 16 61.5 / 60.2 -> 59.9 / 58.7, M = 1
-//   equal (benchmarks/NOTES.md round 13). Linear INT4 with its scale and zero-point boxes
+//   equal (benchmarks/log/NOTES.md round 13). Linear INT4 with its scale and zero-point boxes
 //   (2 stages of two at BN = 32, where 3 do not fit): harness, H100, 8192 x 28672 / 28672
 //   x 8192, us, M = 1 63.0 / 62.5 -> 59.9 / 53.9, M = 16 66.5 / 69.9 -> 62.4 / 56.2, M = 32
 //   73.1 / 75.0 -> 65.6 / 59.2 (round 21; before, it lacked the room for the boxes).
@@ -1082,7 +1086,7 @@ __host__ __device__ constexpr int wg_sub() {
 }
 // 4 stages where they fit, else 3: at BN = 256; at BN = 64 for the table path, whose 16
 // table copies (wg_copies) fit beside 3 stages at two CTAs per SM, not beside 4 (harness,
-// H100, M = 64: nf4 141 -> 94 us; benchmarks/NOTES.md round 7); and for stages of two steps
+// H100, M = 64: nf4 141 -> 94 us; benchmarks/log/NOTES.md round 7); and for stages of two steps
 // at BN = 16, 32. Beside the wide pair table (64 KB, wg_copies): 3, or 2 of two steps at
 // BN = 8. The bit path at BN = 8: 3 (6 steps ahead instead of 8: fewer bytes in flight
 // streamed faster). Harness, H100, M = 1,
@@ -1154,7 +1158,7 @@ __host__ __device__ constexpr bool wg_fits(int stage_bytes) {
 // land in the stage as [step][row][bytes]: no tensor maps, no 64-byte row pieces 4-14 KB
 // apart in DRAM. Harness on the H100, linear -> prepared, 8192 x 28672 / 28672 x 8192:
 // nvfp4 M = 1 57.7 / 56.7 -> 50.1 / 50.3 us, mxfp4 55.8 / 54.0 -> 49.3 / 48.2, M = 64
-// -3-7% (benchmarks/NOTES.md round 15); int4 67 / 66 -> 60 / 54 us with stages of one
+// -3-7% (benchmarks/log/NOTES.md round 15); int4 67 / 66 -> 60 / 54 us with stages of one
 // step, 50 / 47 with stages of two (wg_sub), nf4 79 / 71 -> 73 / 64 (round 16). The
 // kernel's TILED instance reads this layout.
 template <int FMT>  // a row's scale bytes per 128-k step: 8 E4M3 (nvfp4), 4 E8M0 (mxfp4), or
@@ -1251,6 +1255,59 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
 
 // TILED: the weight in the prepared layout (a second instance: with the layout a runtime
 // flag, the linear layout's step loop grew and ran 1-4% slower on the harness)
+// The most K-splits summed in one cluster: the portable cluster size.
+constexpr int kWgMaxClusterSplits = 8;
+
+// The K-splits of one output tile run as one cluster along grid z (launch_wgmma: cluster
+// dims (1, 1, splits), splits <= 8, never with x multicast), each CTA's float32 partial in
+// its shared memory `tile` (kOutStride floats per activation row). After a cluster barrier
+// CTA r sums every split's value of its share of the tile's outputs, in split order (the
+// result does not depend on scheduling), and stores them; a second barrier keeps every
+// CTA's shared memory alive until the others have read it. One launch, no workspace and
+// no partial sums in HBM. Only the consumer threads arrive: the producer warpgroup has
+// exited, and barrier.cluster waits for the non-exited threads (PTX ISA, barrier.cluster).
+template <bool BF16, int BN>
+__device__ __forceinline__ void wg_reduce_splits(const float* tile, void* out, int m0,
+                                                 int64_t n_cta, int tid, const WParams& p) {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+  uint32_t rank, nranks;
+  asm("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
+  asm("mov.u32 %0, %%cluster_nctarank;\n" : "=r"(nranks));
+  const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(tile));
+  uint32_t peer[kWgMaxClusterSplits];
+#pragma unroll
+  for (int q = 0; q < kWgMaxClusterSplits; ++q)
+    if (q < static_cast<int>(nranks))
+      asm("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(peer[q]) : "r"(base), "r"(q));
+  const bool vec = p.N % 4 == 0 && (reinterpret_cast<uintptr_t>(out) & 15u) == 0;
+  const int per = vec ? 4 : 1;  // outputs per thread and store, as the plain epilogue
+  for (int idx = tid + static_cast<int>(rank) * kWgThreads; idx < BN * kWgRows / per;
+       idx += static_cast<int>(nranks) * kWgThreads) {
+    const int m = idx / (kWgRows / per), n = per * (idx % (kWgRows / per));
+    if (m0 + m >= p.M || n_cta + n >= p.N) continue;
+    const uint32_t off = 4u * static_cast<uint32_t>(m * kOutStride + n);
+    float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+    for (int q = 0; q < kWgMaxClusterSplits; ++q) {
+      if (q >= static_cast<int>(nranks)) break;
+      if (vec) {
+        float4 w;
+        asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                     : "=f"(w.x), "=f"(w.y), "=f"(w.z), "=f"(w.w) : "r"(peer[q] + off));
+        v.x += w.x, v.y += w.y, v.z += w.z, v.w += w.w;
+      } else {
+        float w;
+        asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(w) : "r"(peer[q] + off));
+        v.x += w;
+      }
+    }
+    const int64_t o = (m0 + m) * p.N + n_cta + n;
+    if (vec) store_out4<BF16>(out, o, v, p);
+    else store_out<BF16>(out, o, v.x, p);
+  }
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+
 template <int FMT, bool BF16, int BITS, int BN, bool TILED>
 __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma_kernel(
     const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap w_map,
@@ -1278,7 +1335,7 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
   // compiler relies on it too and folds a run-time check of it away). The base is still
   // taken as the run-time address rounded up to 1024, the same address: with the symbol's
   // address itself ptxas scheduled the prepared INT4 kernels at 8- and 16-row tiles 1.5-2%
-  // slower (harness, H100; benchmarks/NOTES.md round 21).
+  // slower (harness, H100; benchmarks/log/NOTES.md round 21).
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const uint32_t raw_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
   uint8_t* smem = smem_raw + (((raw_addr + 1023u) & ~1023u) - raw_addr);
@@ -1550,7 +1607,7 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
     Dec d[2][2];
     const bool fixup = mx_scale_fixup<FMT, BITS>(cur);
 #pragma unroll
-    for (int h = 0; h < 2; ++h) make_decs<FMT, BF16, BITS>(cur[h], tsv[0][h], p, d[h]);
+    for (int h = 0; h < 2; ++h) make_decs<FMT, BF16, BITS>(cur[h], p, d[h]);
     // the lane's code chunks: rows wrow and wrow + 8, k [32 t, 32 t + 32) (a warp reads 512
     // contiguous bytes: no bank conflicts)
     const uint8_t* wc = wc0 + js * kStage + hs * kWgCodeBytes;
@@ -1597,7 +1654,7 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
       }
       // MXFP4's second scale factor, where a lane's scale is > 2: one branch around its
       // multiplies, the decode itself the same in every case (as fast as a branch between
-      // two decodes, benchmarks/NOTES.md round 10)
+      // two decodes, benchmarks/log/NOTES.md round 10)
       if (fixup) {
 #pragma unroll
         for (int i = 0; i < 2 * kWords; ++i)
@@ -1646,8 +1703,12 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
     for (int h = 0; h < 2; ++h)
 #pragma unroll
       for (int e = 0; e < 2; ++e)
-        tile[(8 * j + 2 * t + e) * kOutStride + wrow + 8 * h] = acc[4 * j + 2 * h + e] * scale;
+        tile[(8 * j + 2 * t + e) * kOutStride + wrow + 8 * h] = acc[4 * j + 2 * h + e] * scale * tsv[0][h];
   consumer_sync();
+  if (p.split_reduce) {  // the cluster's K-splits sum their tiles (wg_reduce_splits)
+    wg_reduce_splits<BF16, BN>(tile, out, m0, n_cta, tid, p);
+    return;
+  }
   const int64_t z_off = static_cast<int64_t>(blockIdx.z) * p.M * p.N;
   if (p.N % 4 == 0 && (reinterpret_cast<uintptr_t>(out) & 15u) == 0) {
     // four outputs per lane and store: a warp reads 512 contiguous bytes of a tile row
@@ -1684,7 +1745,6 @@ int64_t step_k(int64_t M, int64_t tile_m) {
 template <int FMT, bool BF16>
 int use_bit_path(const WParams& p) {
   if constexpr (!kHasBitPath<FMT>) return 0;
-  if (FMT == kNVFP4) return !p.two_level;
   if (FMT == kINT4) return p.st == (BF16 ? kScaleBF16 : kScaleF16) ? 1 : BF16 && p.st == kScaleF16 ? kBitsSplit : 0;
   return 1;
 }
@@ -1770,7 +1830,7 @@ cudaError_t launch_wgmma(cudaStream_t stream, const uint16_t* xp, const uint8_t*
   // [step][row][64 bytes], the layout of kSub 2-D boxes, in one copy. With one scale box
   // per stage instead of one per step, harness on the H100, M = 1 (tile 8) on 8192 x
   // 28672 / 28672 x 8192: nvfp4 60.3 / 58.9 -> 58.2 / 56.8 us, mxfp4 56.7 / 55.1 -> 55.8 /
-  // 53.4 (benchmarks/NOTES.md round 14). Else (a partial last step, which the 3-D box
+  // 53.4 (benchmarks/log/NOTES.md round 14). Else (a partial last step, which the 3-D box
   // would not zero-fill: its 64-byte blocks lie inside the row) one 2-D box of 128 rows x
   // 64 bytes per step.
   WParams q = p;
@@ -1836,9 +1896,10 @@ cudaError_t launch_wgmma(cudaStream_t stream, const uint16_t* xp, const uint8_t*
   cudaLaunchAttribute cluster;
   cluster.id = cudaLaunchAttributeClusterDimension;
   cluster.val.clusterDim.x = cluster_ctas;
-  cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = p.split_reduce ? splits : 1;  // the K-splits of a tile (wg_reduce_splits)
   cfg.attrs = &cluster;
-  cfg.numAttrs = cluster_ctas > 1 ? 1 : 0;
+  cfg.numAttrs = cluster_ctas > 1 || p.split_reduce ? 1 : 0;
   return cudaLaunchKernelEx(&cfg, kernel, x_map, w_map, s_map, z_map, cp, sp, zp, tp, out, q);
 }
 
@@ -1881,8 +1942,8 @@ cudaError_t launch_decode(cudaStream_t stream, const uint16_t* xp, const uint8_t
                           const void* sp, const uint8_t* zp, const float* tp, void* out,
                           const WParams& p, int splits, int64_t tile_m) {
   switch (use_bit_path<FMT, BF16>(p)) {
-    case 0:  // (MXFP4 always has its bit path)
-      if constexpr (FMT != kMXFP4) return launch_kernel<FMT, BF16, 0>(stream, xp, cp, sp, zp, tp, out, p, splits, tile_m);
+    case 0:  // (NVFP4 and MXFP4 always take their bit path)
+      if constexpr (kHasTablePath<FMT>) return launch_kernel<FMT, BF16, 0>(stream, xp, cp, sp, zp, tp, out, p, splits, tile_m);
       break;
     case 1:
       if constexpr (kHasBitPath<FMT>) return launch_kernel<FMT, BF16, 1>(stream, xp, cp, sp, zp, tp, out, p, splits, tile_m);
@@ -1980,7 +2041,11 @@ ffi::Error WMatmulImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer cod
   JF4_RETURN_IF_ERROR(validate_problem(where, fmt, block_size, 0, two_level,
                                        codes.dimensions()[0], K, &p));
   JF4_RETURN_IF_ERROR(validate_quantized(where, &p, codes, scales, zeros));
-  JF4_RETURN_IF_ERROR(validate_ts(where, p, ts));
+  // the per-tensor scale: one per weight row, or one for the whole weight
+  JF4_RETURN_IF_ERROR(check_dtype(where, "ts", ts.element_type(), {ffi::DataType::F32}));
+  if (ts.dimensions().size() != 1 || (ts.dimensions()[0] != p.R && ts.dimensions()[0] != 1))
+    return invalid(where, "buffer `ts` must be 1-D of N = " + std::to_string(p.R) +
+                              " or 1 elements, got shape " + dims_str(ts.dimensions()));
   if ((fmt == kNVFP4 && block_size != 16) || (fmt == kMXFP4 && block_size != 32))
     return invalid(where, "attribute `block_size` = " + std::to_string(block_size) +
                               ": the fused kernel decodes nvfp4 in blocks of 16 and mxfp4 in "
@@ -2008,12 +2073,22 @@ ffi::Error WMatmulImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer cod
     return invalid(where, "attribute `splits` = " + std::to_string(splits) +
                               " must be in [1, min(65535, ceil(K / " + std::to_string(step) +
                               "))]");
-  if (splits == 1)
+  // out (1, M, N) with splits > 1: the wgmma kernel sums the K-splits of a tile in their
+  // cluster (wg_reduce_splits); else (splits, M, N), one partial per split
+  const bool split_reduce = splits > 1 && out->dimensions().size() == 3 && out->dimensions()[0] == 1;
+  if (split_reduce && (tile_m == 0 || tile_m > 128 || splits > kWgMaxClusterSplits || cluster != 1))
+    return invalid(where, "result `out` of shape (1, M, N) with `splits` = " + std::to_string(splits) +
+                              " (the K-splits summed in the kernel) needs the wgmma kernel with "
+                              "tile_m <= 128, splits <= " + std::to_string(kWgMaxClusterSplits) +
+                              " and cluster = 1, got tile_m = " + std::to_string(tile_m) +
+                              ", cluster = " + std::to_string(cluster));
+  if (splits == 1 || split_reduce)
     JF4_RETURN_IF_ERROR(check_dtype(where, "out", out->element_type(),
                                     {ffi::DataType::F32, x.element_type()}));
   else
     JF4_RETURN_IF_ERROR(check_dtype(where, "out", out->element_type(), {ffi::DataType::F32}));
-  JF4_RETURN_IF_ERROR(check_shape(where, "out", out->dimensions(), {splits, M, p.R}));
+  JF4_RETURN_IF_ERROR(check_shape(where, "out", out->dimensions(),
+                                  {split_reduce ? 1 : splits, M, p.R}));
   if (M == 0 || p.R == 0) return ffi::Error::Success();
   if (K == 0) {
     const cudaError_t e = cudaMemsetAsync(out->untyped_data(), 0, out->size_bytes(), stream);
@@ -2033,12 +2108,14 @@ ffi::Error WMatmulImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer cod
   w.n_steps = n_steps;
   w.steps_per_split = (n_steps + splits - 1) / splits;
   w.two_level = p.two_level;
+  w.ts_stride = ts.dimensions()[0] == p.R && p.R > 1 ? 1 : 0;
   w.st = p.scale_type;
   w.out_f32 = out->element_type() == ffi::DataType::F32;
   w.scale_boxes = 0;  // launch_wgmma decides
   w.stage_codes = 0;  // launch_wgmma decides
   w.tiled = tiled;
   w.cluster = static_cast<int>(cluster);
+  w.split_reduce = split_reduce ? 1 : 0;
   void* o = out->untyped_data();
   return x.element_type() == ffi::DataType::BF16
              ? launch<true>(fmt, stream, x, codes, scales, zeros, ts, o, w, static_cast<int>(splits), tile_m)
@@ -2069,8 +2146,9 @@ auto WMatmulBinding() {
       .Arg<ffi::AnyBuffer>()  // codes (N, K/2) u8 (tiled: the prepared layout)
       .Arg<ffi::AnyBuffer>()  // scales (N, K/bs) (tiled: the prepared layout)
       .Arg<ffi::AnyBuffer>()  // zeros (N, K/bs) u8 or (0,)
-      .Arg<ffi::AnyBuffer>()  // ts (N,) f32
-      .Ret<ffi::AnyBuffer>()  // partial sums (S, M, N) f32, or x's dtype when S = 1
+      .Arg<ffi::AnyBuffer>()  // ts (N,) or (1,) f32
+      .Ret<ffi::AnyBuffer>()  // partial sums (S, M, N) f32, or x's dtype when S = 1; or the
+                              // sum (1, M, N) in f32 / x's dtype (the kernel sums S > 1 splits)
       .Attr<int32_t>("fmt")
       .Attr<int64_t>("block_size")
       .Attr<int32_t>("two_level")
@@ -2083,8 +2161,11 @@ auto WMatmulBinding() {
 }  // namespace jf4
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4WMatmulV1Cuda, jf4::cuda::WMatmulV1Impl,
-                              jf4::cuda::WMatmulBinding());
+                              jf4::cuda::WMatmulBinding(),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4WMatmulV2Cuda, jf4::cuda::WMatmulV2Impl,
-                              jf4::cuda::WMatmulBinding().Attr<int64_t>("cluster"));
+                              jf4::cuda::WMatmulBinding().Attr<int64_t>("cluster"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4WMatmulV3Cuda, jf4::cuda::WMatmulImpl,
-                              jf4::cuda::WMatmulBinding().Attr<int64_t>("cluster").Attr<int32_t>("tiled"));
+                              jf4::cuda::WMatmulBinding().Attr<int64_t>("cluster").Attr<int32_t>("tiled"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});

@@ -155,6 +155,22 @@ def _linear_bytes(model):
     return stored, bf16
 
 
+def _check_float_model(model, model_dir) -> None:
+    """Raise ValueError if ``model`` already holds quantized layers: the demo's first row
+    is the float32 reference every variant is compared with, and it quantizes from it."""
+    from flax import nnx
+
+    from ..nn.flax import QuantizedLinear
+
+    formats = sorted({m.format for _, m in nnx.iter_modules(model)
+                      if isinstance(m, QuantizedLinear)})
+    if formats:
+        raise ValueError(
+            f"model_dir: the demo needs a float checkpoint (it quantizes it and compares every "
+            f"format with it), but {model_dir or 'the model'} holds layers quantized to "
+            f"{', '.join(formats)}; pass the directory of the float checkpoint it came from")
+
+
 def _embed_batch(model, batch):
     return model.embed(*batch)
 
@@ -202,6 +218,7 @@ def run_demo(model_dir=None, variants: Iterable = DEFAULT_VARIANTS, *,
     variants = [v if isinstance(v, Variant) else parse_variant(v) for v in variants]
     sentences = load_sentences(sentences_file, limit)
     enc = encoder if encoder is not None else load_sentence_encoder(model_dir)
+    _check_float_model(enc.model, model_dir)
     ids, mask = enc.tokenize(sentences)
     pad_to = ids.shape[1]
     bs = min(batch_size, len(sentences))

@@ -1,0 +1,331 @@
+"""The headline benchmark: a jitted decoder step of a Llama-3-8B-shaped model, 4-bit vs bf16.
+
+What a user sees (docs/benchmarks.md): the wall time of one jitted step of a decoder with
+Llama-3-8B's shapes (hidden 4096; GQA attention with 32 query and 8 key/value heads of
+128; SwiGLU MLP of 14336; RMSNorm, RoPE and residuals), random weights, `--layers` of its 32
+layers. Each step takes M rows of activations: B = min(M, 64) sequences of T = M / B new
+tokens that attend (causally among themselves) to a KV cache of `--context` tokens per
+sequence (read every step; the cache update is not part of the step). The whole step is
+one `jax.jit`; weights are bf16 for the baseline and `jax_fp4.nn.quantize_params(params,
+fmt)` with its defaults for each 4-bit format; activations bf16.
+
+Per (format, M): the median wall time of >= `--iters` steps (each call blocked on), the
+ratio to bf16 measured in the same run (bf16 is re-measured before each format so that
+clock or power drift shows), the GPU's kernel time per step from the profiler's device
+trace (bench_quant.device_time) beside it, and tokens/s. Prints a markdown table and
+appends it, with the command, GPU and date, to RESULTS.md.
+
+  python benchmarks/bench_model.py [--formats nvfp4 mxfp4 nf4 bnb_fp4 int4]
+      [--ms 1 4 16 64 256 1024] [--layers 8] [--iters 30] [--tp 2] [--no-kernel-sum]
+      [--tiny]   (a small model for a CPU smoke run)
+
+With `--tp N` the step runs Megatron-style tensor parallel over N devices (q/k/v/gate/up
+column-parallel, o/down row-parallel, the KV cache sharded by head), the QArray leaves
+sharded by jax_fp4.sharding's specs; the compiled HLO's collectives are listed.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import os
+import re
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_fp4 as jf
+import jax_fp4.nn  # noqa: F401  (quantize_params)
+
+FORMATS = ["nvfp4", "mxfp4", "nf4", "bnb_fp4", "int4"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    hidden: int = 4096
+    heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    ffn: int = 14336
+    layers: int = 8
+    context: int = 2048
+    max_batch: int = 64  # sequences per step; M beyond it is several new tokens each
+
+    def batch(self, m):
+        """(sequences B, new tokens per sequence T) with B * T = M."""
+        b = min(m, self.max_batch)
+        if m % b:
+            raise ValueError(f"M = {m} must be a multiple of min(M, {self.max_batch})")
+        return b, m // b
+
+
+TINY = Config(hidden=256, heads=4, kv_heads=2, head_dim=64, ffn=512, layers=2, context=64,
+              max_batch=4)
+
+# Megatron tensor parallelism: which axis of each (in, out) kernel is split over "tp"
+COLUMN = ("wq", "wk", "wv", "w_gate", "w_up")
+ROW = ("wo", "w_down")
+
+
+def init_params(cfg: Config, key):
+    """Random bf16 weights (Flax layout: kernel (in, out)) scaled like a trained model's."""
+    shapes = {"wq": (cfg.hidden, cfg.heads * cfg.head_dim),
+              "wk": (cfg.hidden, cfg.kv_heads * cfg.head_dim),
+              "wv": (cfg.hidden, cfg.kv_heads * cfg.head_dim),
+              "wo": (cfg.heads * cfg.head_dim, cfg.hidden),
+              "w_gate": (cfg.hidden, cfg.ffn), "w_up": (cfg.hidden, cfg.ffn),
+              "w_down": (cfg.ffn, cfg.hidden)}
+    layers = []
+    for i in range(cfg.layers):
+        ks = jax.random.split(jax.random.fold_in(key, i), len(shapes))
+        layer = {name: {"kernel": (jax.random.normal(k, s, jnp.float32) / np.sqrt(s[0]))
+                        .astype(jnp.bfloat16)}
+                 for k, (name, s) in zip(ks, shapes.items())}
+        layer["attn_norm"] = jnp.ones((cfg.hidden,), jnp.bfloat16)
+        layer["mlp_norm"] = jnp.ones((cfg.hidden,), jnp.bfloat16)
+        layers.append(layer)
+    return {"layers": layers}
+
+
+def init_cache(cfg: Config, b, key):
+    """Per layer a (k, v) pair, each (B, kv_heads, context, head_dim) bf16 (head-major, so
+    that the attention's contractions read it in place; one array per layer, as a serving
+    engine keeps it, so that no slice of a larger one is copied)."""
+    shape = (b, cfg.kv_heads, cfg.context, cfg.head_dim)
+    keys = jax.random.split(key, 2 * cfg.layers)
+    return [(jax.random.normal(keys[2 * i], shape, jnp.bfloat16),
+             jax.random.normal(keys[2 * i + 1], shape, jnp.bfloat16)) for i in range(cfg.layers)]
+
+
+def dense(x, w):
+    """x (..., K) @ w (K, N): a QArray weight takes jax_fp4's W4A16 matmul."""
+    return jf.matmul(x, w) if isinstance(w, jf.QArray) else jnp.dot(x, w)
+
+
+def rms_norm(x, w, eps=1e-5):
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * w.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope(x, pos, theta=500000.0):
+    """Rotary position embedding (Llama 3's base) on (..., T, heads, head_dim)."""
+    d = x.shape[-1]
+    inv = theta ** (-jnp.arange(0, d, 2, dtype=jnp.float32) / d)
+    ang = pos[:, None] * inv[None, :]  # (T, d / 2)
+    cos, sin = jnp.cos(ang)[:, None, :], jnp.sin(ang)[:, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).astype(x.dtype)
+
+
+def attention(cfg: Config, q, k_new, v_new, k_cache, v_cache):
+    """GQA over the cache and the new tokens (causal among the new ones), the cache read
+    in place (no concatenated copy). q (B, T, H, D); k_new, v_new (B, T, G, D); caches
+    (B, G, S, D). Returns (B, T, H * D)."""
+    b, t = q.shape[:2]
+    g, r = cfg.kv_heads, cfg.heads // cfg.kv_heads
+    q = q.reshape(b, t, g, r, cfg.head_dim)
+    scale = 1.0 / np.sqrt(cfg.head_dim)
+    # float32 scores and sums (XLA's CPU dot has no bf16 x bf16 -> float32: there, bf16)
+    acc = None if jax.default_backend() == "cpu" else jnp.float32
+    s_cache = jnp.einsum("btgrd,bgsd->bgrts", q, k_cache, preferred_element_type=acc)
+    s_new = jnp.einsum("btgrd,bugd->bgrtu", q, k_new, preferred_element_type=acc)
+    causal = jnp.arange(t)[None, :] <= jnp.arange(t)[:, None]
+    s = jnp.concatenate([s_cache, jnp.where(causal, s_new, -jnp.inf)], axis=-1).astype(jnp.float32) * scale
+    p = jax.nn.softmax(s, axis=-1).astype(q.dtype)
+    ctx_len = k_cache.shape[2]
+    o = (jnp.einsum("bgrts,bgsd->btgrd", p[..., :ctx_len], v_cache, preferred_element_type=acc)
+         + jnp.einsum("bgrtu,bugd->btgrd", p[..., ctx_len:], v_new, preferred_element_type=acc))
+    return o.astype(q.dtype).reshape(b, t, cfg.heads * cfg.head_dim)
+
+
+def step(cfg: Config, params, cache, x):
+    """One decoder step: x (B, T, hidden) bf16 -> (B, T, hidden). The projections see the
+    activations as (M = B * T, hidden) rows, as a serving engine batches them."""
+    b, t, hidden = x.shape
+    x = x.reshape(b * t, hidden)
+    pos = cfg.context + jnp.arange(t, dtype=jnp.float32)
+    for i, layer in enumerate(params["layers"]):
+        h = rms_norm(x, layer["attn_norm"])
+        q = dense(h, layer["wq"]["kernel"]).reshape(b, t, cfg.heads, cfg.head_dim)
+        k = dense(h, layer["wk"]["kernel"]).reshape(b, t, cfg.kv_heads, cfg.head_dim)
+        v = dense(h, layer["wv"]["kernel"]).reshape(b, t, cfg.kv_heads, cfg.head_dim)
+        o = attention(cfg, rope(q, pos), rope(k, pos), v, *cache[i])
+        x = x + dense(o.reshape(b * t, -1), layer["wo"]["kernel"])
+        h = rms_norm(x, layer["mlp_norm"])
+        gate = dense(h, layer["w_gate"]["kernel"])
+        up = dense(h, layer["w_up"]["kernel"])
+        x = x + dense((jax.nn.silu(gate.astype(jnp.float32)) * up).astype(h.dtype),
+                      layer["w_down"]["kernel"])
+    return x.reshape(b, t, hidden)
+
+
+def quantized(params, fmt):
+    """The 4-bit model a user gets: quantize_params with its defaults."""
+    if fmt == "bf16":
+        return params
+    q = jax.jit(lambda p: jf.nn.quantize_params(p, fmt))(params)
+    return jax.block_until_ready(q)
+
+
+def tp_shardings(params, cache, mesh):
+    """Megatron-style placements: column-parallel kernels split on out, row-parallel on
+    in, the KV cache by head; QArray leaves follow their float weight's spec."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from jax_fp4 import sharding as jsh
+
+    def spec_of(path, leaf):
+        names = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+        if "kernel" not in names:
+            return P()
+        proj = names[names.index("kernel") - 1]
+        return P(None, "tp") if proj in COLUMN else P("tp", None) if proj in ROW else P()
+
+    def place(path, leaf):
+        spec = spec_of(path, leaf)
+        if isinstance(leaf, jf.QArray):
+            return jsh.shard_qarray(leaf, mesh, spec)
+        return jax.device_put(leaf, NamedSharding(mesh, spec))
+
+    params = jax.tree_util.tree_map_with_path(place, params,
+                                              is_leaf=lambda v: isinstance(v, jf.QArray))
+    cache = jax.device_put(cache, NamedSharding(mesh, P(None, "tp", None, None)))
+    return params, cache
+
+
+def wall_times(fn, args, iters):
+    """(median wall time of a step, each call blocked on; wall time per step of `iters`
+    steps dispatched back to back, the host's dispatch overlapping the GPU's work)."""
+    jax.block_until_ready(fn(*args))  # compile + warm up
+    jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    jax.block_until_ready([fn(*args) for _ in range(iters)])
+    return statistics.median(ts), (time.perf_counter() - t0) / iters
+
+
+def kernel_sum(fn, args):
+    sys.path.insert(0, os.path.dirname(__file__))
+    from bench_quant import device_time
+
+    try:
+        return device_time(fn, args)
+    except Exception as e:  # no GPU trace (CPU): no kernel sum
+        print(f"#   kernel sum unavailable: {type(e).__name__}: {str(e)[:120]}", file=sys.stderr)
+        return float("nan")
+
+
+def collectives(fn, args):
+    text = fn.lower(*args).compile().as_text()
+    found = re.findall(r"\b(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
+                       r"(?:-start)?\(", text)
+    return {c: found.count(c) for c in sorted(set(found))}
+
+
+def run(args):
+    cfg = TINY if args.tiny else Config()
+    cfg = dataclasses.replace(cfg, layers=args.layers or cfg.layers,
+                              context=args.context or cfg.context)
+    key = jax.random.key(0)
+    params = init_params(cfg, key)
+    mesh = None
+    if args.tp > 1:
+        devs = jax.devices()[:args.tp]
+        if len(devs) < args.tp:
+            raise SystemExit(f"--tp {args.tp}: only {len(devs)} devices")
+        mesh = jax.sharding.Mesh(np.array(devs), ("tp",))
+    rows = []
+    fn = jax.jit(lambda p, c, x: step(cfg, p, c, x))
+    models = {}
+    for fmt in ["bf16", *args.formats]:
+        models[fmt] = quantized(params, fmt) if fmt != "bf16" else params
+    for m in args.ms:
+        b, t = cfg.batch(m)
+        cache = init_cache(cfg, b, jax.random.fold_in(key, 1000 + m))
+        x = jax.random.normal(jax.random.fold_in(key, 2000 + m), (b, t, cfg.hidden), jnp.bfloat16)
+        base = None
+        for fmt in ["bf16", *args.formats]:
+            p, c = models[fmt], cache
+            if mesh is not None:
+                p, c = tp_shardings(p, cache, mesh)
+            fargs = (p, c, x)
+            wall, piped = wall_times(fn, fargs, args.iters)
+            ksum = (float("nan") if args.no_kernel_sum or jax.default_backend() == "cpu"
+                    else kernel_sum(fn, fargs))
+            coll = collectives(fn, fargs) if mesh is not None else {}
+            if fmt == "bf16":
+                base = (wall, ksum, piped)
+            rows.append(dict(fmt=fmt, m=m, wall=wall, ksum=ksum, ratio=base[0] / wall,
+                             kratio=base[1] / ksum, piped=piped, pratio=base[2] / piped,
+                             tps=m / wall, coll=coll))
+            print(f"# M={m:5d} {fmt:8s} wall {wall * 1e3:8.3f} ms  x{base[0] / wall:5.2f}  "
+                  f"kernels {ksum * 1e3:8.3f} ms  x{base[1] / ksum:5.2f}  "
+                  f"back-to-back {piped * 1e3:8.3f} ms  x{base[2] / piped:5.2f}"
+                  + (f"  {coll}" if coll else ""), file=sys.stderr, flush=True)
+        del cache, x
+    return cfg, rows
+
+
+def table(cfg, rows, tp):
+    fmts = list(dict.fromkeys(r["fmt"] for r in rows))
+    ms = list(dict.fromkeys(r["m"] for r in rows))
+    by = {(r["fmt"], r["m"]): r for r in rows}
+    out = ["| M | " + " | ".join(fmts) + " |", "|---:|" + "---|" * len(fmts)]
+    for m in ms:
+        cells = []
+        for f in fmts:
+            r = by[(f, m)]
+            if f == "bf16":
+                cells.append(f"{r['wall'] * 1e3:.3f} ms ({r['ksum'] * 1e3:.3f}; "
+                             f"{r['piped'] * 1e3:.3f}), {r['tps']:.0f} tok/s")
+            else:
+                cells.append(f"**{r['ratio']:.2f}x** ({r['kratio']:.2f}x; {r['pratio']:.2f}x)")
+        out.append(f"| {m} | " + " | ".join(cells) + " |")
+    coll = {f"{r['fmt']}": r["coll"] for r in rows if r["coll"] and r["m"] == ms[0]}
+    note = (f"Wall-time ratio to bf16 per step, each step blocked on (in brackets: the "
+            f"kernel-time ratio from the profiler; the ratio of steps dispatched back to "
+            f"back); bf16 column: wall ms (kernel ms; back-to-back ms), tokens/s. "
+            f"{cfg.layers} of 32 layers, context {cfg.context}"
+            + (f", tensor parallel over {tp} devices; collectives per step: {coll}" if tp > 1 else ""))
+    return "\n".join(out) + "\n\n" + note + "\n"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--formats", nargs="+", default=FORMATS)
+    ap.add_argument("--ms", nargs="+", type=int, default=[1, 4, 16, 64, 256, 1024])
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default 8 of 32)")
+    ap.add_argument("--context", type=int, default=None, help="KV-cache tokens (default 2048)")
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--tiny", action="store_true", help="a small model (CPU smoke run)")
+    ap.add_argument("--no-kernel-sum", action="store_true")
+    ap.add_argument("--results", default=os.path.join(os.path.dirname(__file__), "RESULTS.md"))
+    ap.add_argument("--no-append", action="store_true")
+    args = ap.parse_args(argv)
+    for f in args.formats:
+        jf.get_format(f)  # unknown names fail before any work
+    cfg, rows = run(args)
+    dev = jax.devices()[0]
+    head = (f"### bench_model.py, {datetime.date.today()}, {getattr(dev, 'device_kind', dev.platform)}"
+            f" x{max(args.tp, 1)}, jax {jax.__version__}\n\n`python3 benchmarks/bench_model.py "
+            + " ".join(argv if argv is not None else sys.argv[1:]) + "`\n\n")
+    text = head + table(cfg, rows, args.tp)
+    print(text)
+    if not args.no_append:
+        with open(args.results, "a") as fh:
+            fh.write("\n" + text)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
