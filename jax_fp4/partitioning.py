@@ -42,8 +42,9 @@ Rules that follow (the canonical view, rows x K, blocked axis last):
     amax (as float32 bit patterns, so the result is bit-exact), one scalar ``pmax`` over
     the sharded axes, then the scale. The tensor is never gathered.
   * wmatmul (W4A16, y = x @ W^T, x (M, K), W (N, K)): M and N shard freely (N at whole
-    128-row tiles for a prepared weight); K sharded on x and W alike: float32 partial sums
-    per device, one ``psum`` of the (M_local, N_local) output, then the cast.
+    128-row tiles for a prepared weight; a per-tensor scale given once, (1,), is
+    replicated); K sharded on x and W alike: float32 partial sums per device, one
+    ``psum`` of the (M_local, N_local) output, then the cast.
   * scaled_matmul (D = alpha A B^T + bias): as wmatmul; with K sharded the bias is added
     once, after the ``psum``.
 A sharding outside these rules (K not at whole blocks, M and N on the same mesh axis, a
@@ -171,7 +172,9 @@ def _wmatmul_layout(params, in_shapes, out_shapes):
     if params["tiled"]:  # K interleaved within tiles; N at whole tiles where it has them
         fixed |= {"k"} if tiles else {"k", "n"}
     m, n = ("m", 1), ("n", _TILE_ROWS if tiles else 1)
-    return Layout([(m, xk), (n, ck), (n, sk), _zeros_dims(f, n), (n,)], [(m, n)],
+    # the per-tensor scale: one per weight row (N,), or one for the whole weight (1,)
+    ts = (n,) if in_shapes[4][0] == in_shapes[1][0] else (None,)
+    return Layout([(m, xk), (n, ck), (n, sk), _zeros_dims(f, n), ts], [(m, n)],
                   fixed=fixed, reduce=("k",))
 
 
