@@ -4,7 +4,7 @@ Formats (docs/spec.md section 3): nvfp4, mxfp4, mxfp6_e2m3, mxfp6_e3m2, mxfp8_e4
 mxfp8_e5m2, nf4, bnb_fp4, int4. The pure-jnp :mod:`jax_fp4.reference` defines the
 semantics; CPU (C++) and CUDA kernels registered as XLA FFI targets match it bit for bit.
 """
-from . import _ext, formats, reference
+from . import _ext, formats, reference, sharding
 from .formats import FORMAT_NAMES, Format, get_format
 from .ops import (dequantize, dot_general, fake_quantize, from_blocked, matmul, prepare,
                   quantize, scaled_matmul, scaled_matmul_operands, tensor_scale_from_amax,
@@ -54,5 +54,5 @@ __all__ = [
     "scaled_matmul_operands",
     "to_blocked", "from_blocked", "set_backend", "get_backend", "capabilities", "formats",
     "export_disabled_checks",
-    "reference",
+    "reference", "sharding",
 ]

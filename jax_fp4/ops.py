@@ -16,6 +16,7 @@ from jax import lax
 from . import layout, primitives, reference, stochastic, validate
 from .formats import get_format
 from .qarray import QArray
+from .sharding import with_out_sharding
 
 _FLOAT_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 _ROUNDINGS = ("floor", "rceil")
@@ -398,8 +399,9 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
     Args:
       lhs, rhs: arrays or QArrays (not both QArrays: use :func:`scaled_matmul`).
       dimension_numbers, precision, preferred_element_type, out_sharding: as
-        ``lax.dot_general`` (Flax NNX passes ``out_sharding``; it is forwarded when neither
-        operand is a QArray and must be None otherwise).
+        ``lax.dot_general`` (Flax NNX passes ``out_sharding``: a NamedSharding, or a
+        PartitionSpec under ``jax.set_mesh``; with a QArray weight the result is laid out
+        as it, jax_fp4.sharding.with_out_sharding).
     Returns:
       as ``lax.dot_general`` on the dequantized operands; dtype
       ``preferred_element_type`` or the promoted dtype of the operands.
@@ -424,8 +426,6 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
         kw = {} if out_sharding is None else {"out_sharding": out_sharding}
         return lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type,
                                **kw)
-    if out_sharding is not None:
-        raise NotImplementedError("out_sharding: not supported with a QArray operand yet")
     q, other, qc, name = (rhs, lhs, rc, "rhs") if rq else (lhs, rhs, lc, "lhs")
     if q.axis not in qc:
         raise ValueError(f"{name}: a QArray must be contracted along its blocked axis "
@@ -433,10 +433,12 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
     other = jnp.asarray(other)
     out_dtype = np.dtype(preferred_element_type or jnp.result_type(other.dtype, q.dtype))
     if rq and q.ndim == 2 and not lb and not rb and len(rc) == 1 and other.ndim >= 1:
-        return _weight_matmul(other, q, lc[0], precision, out_dtype)
+        y = _weight_matmul(other, q, int(lc[0]) % other.ndim, precision, out_dtype)
+        return with_out_sharding(y, out_sharding)
     w = dequantize(q, other.dtype if other.dtype in _FLOAT_DTYPES else q.dtype)
     args = (other, w) if rq else (w, other)
-    return lax.dot_general(*args, dimension_numbers, precision, preferred_element_type)
+    kw = {} if out_sharding is None else {"out_sharding": out_sharding}
+    return lax.dot_general(*args, dimension_numbers, precision, preferred_element_type, **kw)
 
 
 def _weight_matmul(x, w: QArray, x_axis, precision, out_dtype):

@@ -21,7 +21,7 @@ from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from . import _ext, layout, reference
+from . import _ext, layout, partitioning, reference
 from .formats import decode_table, get_format
 
 BACKENDS = ("auto", "reference", "kernels")
@@ -127,9 +127,13 @@ def _register_lowerings(prim, target, reference_impl, kernel_impl=None, ffi_attr
       has ``target`` and ``applies`` says so, lower ``impl(*args, gpu=gpu, **params)`` (a
       composite that calls the target) instead of ``kernel_impl``; ``gpu`` is the lowering
       context's GpuProps (gpu_props), never a device query of the machine that lowers.
+
+    The rules go to ``prim``'s shard-local twin; ``prim`` lowers through its sharding rule
+    to per-shard calls of the twin (jax_fp4.partitioning).
     """
+    local = partitioning.shard_local(prim)
     ref_rule = mlir.lower_fun(reference_impl, multiple_results=multiple_results)
-    mlir.register_lowering(prim, ref_rule)
+    mlir.register_lowering(local, ref_rule)
 
     for platform in ("cpu", "cuda"):
         def rule(ctx, *args, _platform=platform, **params):
@@ -163,7 +167,8 @@ def _register_lowerings(prim, target, reference_impl, kernel_impl=None, ffi_attr
                     ctx, *args, **params)
             return jax.ffi.ffi_lowering(target)(ctx, *args, **ffi_attrs(**params))
 
-        mlir.register_lowering(prim, rule, platform=platform)
+        mlir.register_lowering(local, rule, platform=platform)
+    partitioning.register(prim, local)
 
 
 # ------------------------------------------------------------------------ quantize
@@ -377,8 +382,10 @@ auto_tensor_scale_p.def_abstract_eval(lambda x, **_: jax.core.ShapedArray((), np
 batching.primitive_batchers[auto_tensor_scale_p] = _auto_tensor_scale_batch
 ad.primitive_jvps[auto_tensor_scale_p] = _auto_tensor_scale_jvp
 _auto_tensor_scale_ref_rule = mlir.lower_fun(_auto_tensor_scale_ref, multiple_results=False)
-mlir.register_lowering(auto_tensor_scale_p, _auto_tensor_scale_ref_rule)
-mlir.register_lowering(auto_tensor_scale_p, _auto_tensor_scale_cuda_rule, platform="cuda")
+_auto_tensor_scale_local = partitioning.shard_local(auto_tensor_scale_p)
+mlir.register_lowering(_auto_tensor_scale_local, _auto_tensor_scale_ref_rule)
+mlir.register_lowering(_auto_tensor_scale_local, _auto_tensor_scale_cuda_rule, platform="cuda")
+partitioning.register(auto_tensor_scale_p, _auto_tensor_scale_local)
 
 
 # ------------------------------------------------------------------------ W4A16 matmul
@@ -437,7 +444,8 @@ def _wmatmul_transpose(ct, x, codes, scales, zeros, ts, **params):
                           dtype=x.aval.dtype, two_level=params["two_level"],
                           impl=params["impl"])
     ctx = lax.dot_general(ct.astype(x.aval.dtype), w, (((1,), (0,)), ((), ())),
-                          precision=params["precision"], preferred_element_type=jnp.float32)
+                          precision=params["precision"], preferred_element_type=jnp.float32,
+                          out_sharding=partitioning.explicit_sharding(x.aval))
     return [ctx.astype(x.aval.dtype), None, None, None, None]
 
 

@@ -1,6 +1,12 @@
 import os
 
-import jax
+# tests/test_sharding.py partitions over 8 virtual CPU devices. XLA reads the flag when jax
+# first creates its backends, which happens after this conftest is imported.
+_DEVICES_FLAG = "--xla_force_host_platform_device_count"
+if _DEVICES_FLAG not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICES_FLAG}=8".strip()
+
+import jax  # noqa: E402
 import numpy as np
 import pytest
 

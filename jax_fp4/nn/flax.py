@@ -33,6 +33,7 @@ from flax.nnx.nn.linear import default_bias_init, default_kernel_init
 from .. import ops
 from ..formats import get_format
 from ..qarray import QArray
+from ..sharding import with_out_sharding
 from . import params as P
 
 __all__ = ["QuantizedLinear", "QuantStat", "quantize_model", "calibrate", "activation_amax",
@@ -42,12 +43,10 @@ __all__ = ["QuantizedLinear", "QuantStat", "quantize_model", "calibrate", "activ
 def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
                 out_sharding=None):
     """:func:`jax_fp4.dot_general` with the ``out_sharding`` keyword that
-    ``flax.nnx.Linear`` passes (only ``None`` is supported)."""
-    if out_sharding is not None:
-        raise NotImplementedError("out_sharding: jax_fp4.dot_general does not take an output "
-                                  f"sharding, got {out_sharding!r}")
+    ``flax.nnx.Linear`` passes."""
     return ops.dot_general(lhs, rhs, dimension_numbers, precision=precision,
-                           preferred_element_type=preferred_element_type)
+                           preferred_element_type=preferred_element_type,
+                           out_sharding=out_sharding)
 
 
 class QuantStat(nnx.Variable):
@@ -164,8 +163,11 @@ class QuantizedLinear(nnx.Module):
                    kernel=linear.kernel.get_value(), bias=bias, format=format, **kwargs)
 
     def __call__(self, inputs, out_sharding=None):
-        if out_sharding is not None:
-            raise NotImplementedError("out_sharding: not supported by QuantizedLinear")
+        """y = inputs @ kernel (+ bias); ``out_sharding`` (as ``nnx.Linear``): the result
+        laid out as it (jax_fp4.sharding.with_out_sharding)."""
+        return with_out_sharding(self._apply(inputs), out_sharding)
+
+    def _apply(self, inputs):
         kernel = self.kernel.get_value()
         bias = self.bias.get_value() if self.bias is not None else None
         inputs = jnp.asarray(inputs)
