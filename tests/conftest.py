@@ -52,6 +52,11 @@ def _float32_matmuls_on_gpu():
 
 
 def pytest_collection_modifyitems(config, items):
+    if not os.environ.get("JAX_FP4_RUN_SLOW"):
+        slow = pytest.mark.skip(reason="slow; set JAX_FP4_RUN_SLOW=1 to run")
+        for item in items:
+            if "slow" in item.keywords:
+                item.add_marker(slow)
     if has_gpu():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (jax.devices() has none)")

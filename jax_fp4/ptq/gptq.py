@@ -17,7 +17,8 @@ the block's columns is quantized:
   the block's scale (and int4 zero point; the E4M3 scale of NVFP4 under its per-tensor
   scale, which is fixed from the original weight's amax) is chosen from the block's
   *current*, error-updated weights: by the RTN rule (``scale_search="rtn"``) or the MSE
-  search of :mod:`jax_fp4.ptq.mse` (``"mse"``);
+  search of :mod:`jax_fp4.ptq.mse` (``"mse"``, each channel's error weighted by diag H),
+  in float arithmetic (:func:`~jax_fp4.ptq.mse.candidate_scales` with ``exact=False``);
 * with ``act_order=True`` columns are quantized in order of decreasing diag(H) (most
   active input channels first). Blocks are contiguous in the stored layout, so a block's
   columns are no longer processed together; its scale is fixed up front from the original
@@ -68,9 +69,9 @@ def inverse_hessian_factor(h, damp: float = 0.01):
     return jnp.linalg.cholesky(hinv).T
 
 
-def _block_scales(cols, spec, row_ts, sd, scale_search, weight=None):
+def _block_scales(cols, spec, row_ts, sd, scale_search, weight=None, exact=False):
     """Scales of (N, nb, bs) blocks (as bits) by RTN or MSE: (N, nb), zeros or None."""
-    scales, zeros = candidate_scales(cols, spec, row_ts, sd)
+    scales, zeros = candidate_scales(cols, spec, row_ts, sd, exact)
     if scale_search == "rtn":
         return scales[0], None if zeros is None else zeros[0]
     return _argmin_candidates(cols, spec, scales, zeros, row_ts, weight)
@@ -101,7 +102,7 @@ def gptq_rows(w_rows, h, spec: QuantSpec, *, damp=0.01, act_order=False, scale_s
         perm = jnp.argsort(-diag_h, stable=True)
         xb = R._blocks(w, bs)
         scales, zeros = _block_scales(xb, spec, row_ts, sd, scale_search,
-                                      diag_h.reshape(1, nb, bs))
+                                      diag_h.reshape(1, nb, bs), exact=True)
         w = w[:, perm]
         h = h[perm][:, perm]
     else:
@@ -188,7 +189,7 @@ def gptq_rows(w_rows, h, spec: QuantSpec, *, damp=0.01, act_order=False, scale_s
 def gptq_quantize(w, hessian, format="nvfp4", *, axis: int = 0,
                   block_size: Optional[int] = None, tensor_scale="auto",
                   scale_rounding: str = "floor", scale_dtype=None, damp: float = 0.01,
-                  act_order: bool = False, scale_search: str = "rtn"):
+                  act_order: bool = False, scale_search: str = "mse"):
     """Quantize one linear layer's weight with GPTQ (module docstring).
 
     Args:
@@ -202,7 +203,7 @@ def gptq_quantize(w, hessian, format="nvfp4", *, axis: int = 0,
         amax(w)/2688 of the original weight.
       damp: dampening, a fraction of the mean diagonal of H added to it (default 0.01).
       act_order: quantize columns by decreasing diag(H), scales fixed up front.
-      scale_search: "rtn" or "mse", how each block scale is chosen.
+      scale_search: "mse" (default) or "rtn", how each block scale is chosen.
     Returns:
       QArray of w's shape and dtype (linear layout).
     Raises:
@@ -224,16 +225,10 @@ def gptq_quantize(w, hessian, format="nvfp4", *, axis: int = 0,
                          f"{scale_search!r}")
     if not (np.isfinite(np.asarray(rows)).all() and np.isfinite(np.asarray(hessian)).all()):
         raise ValueError("w, hessian: GPTQ needs finite weights and a finite Hessian")
-    dtype = np.dtype(w.dtype)
-    return _gptq_jit(rows, hessian, spec=spec, damp=float(damp), act_order=bool(act_order),
-                     scale_search=scale_search, shape=tuple(w.shape), axis=axis % 2,
-                     dtype=dtype, sd=spec.scale_dtype_for(dtype))
+    from .api import quantize_group
 
+    from .calibration import LayerStats
 
-@jax.jit(static_argnames=("spec", "damp", "act_order", "scale_search", "shape", "axis",
-                          "dtype", "sd"))
-def _gptq_jit(rows, hessian, *, spec, damp, act_order, scale_search, shape, axis, dtype, sd):
-    row_ts = spec.row_tensor_scale(rows)
-    wq, scales, zeros = gptq_rows(rows, hessian, spec, damp=damp, act_order=act_order,
-                                  scale_search=scale_search, row_ts=row_ts, scale_dtype=sd)
-    return quantize_rows_with_scales(wq, spec, scales, zeros, row_ts, shape, axis, dtype)
+    st = LayerStats(hessian, jnp.zeros((k,), jnp.float32), jnp.ones((), jnp.float32))
+    return quantize_group([w], axis % 2, spec, "gptq", [st], damp=float(damp),
+                          act_order=bool(act_order), scale_search=scale_search)[0]

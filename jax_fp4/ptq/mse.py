@@ -32,18 +32,32 @@ __all__ = ["candidate_scales", "mse_block_scales", "quantize_mse", "SHRINK_GRID"
 SHRINK_GRID = tuple(float(c) for c in np.round(np.linspace(1.0, 0.6, 9), 4))
 
 
-def _rtn_nvfp4_code(amax, row_ts, divisor):
-    if row_ts is None:
-        s = R._div(amax, divisor)
-    else:
-        s = R._div(R._div(amax, divisor), row_ts[..., :, None])
+def _nvfp4_codes(amax, row_ts, divisor, exact):
+    """E4M3 code of clip(amax / divisor / row_ts, 2**-6, 448) (the RTN rule for
+    divisor 6), by the reference's exact division or by XLA's float division."""
+    div = R._div if exact else (lambda a, b: a / b)
+    s = div(amax, divisor)
+    if row_ts is not None:
+        s = div(s, row_ts[..., :, None])
     s = jnp.clip(s, jnp.float32(2.0 ** -6), jnp.float32(448.0))
     return R.encode(R._bits(s), E4M3).astype(jnp.int32)
 
 
-def candidate_scales(xb, spec: QuantSpec, row_ts=None, scale_dtype=None):
+def _int4_scale_zero_fast(mn, mx, scale_dtype):
+    s = R.round_f32_to(jnp.maximum(mx - mn, jnp.float32(1e-5)) / 15.0, scale_dtype)
+    z = jnp.clip(-jnp.round(mn / s.astype(jnp.float32)), 0, 15)
+    return s, z.astype(jnp.uint8)
+
+
+def candidate_scales(xb, spec: QuantSpec, row_ts=None, scale_dtype=None, exact=True):
     """Candidate block scales of (R, nb, bs) float32-bit blocks, RTN's first.
 
+    Args:
+      exact: compute the nvfp4 / int4 candidates with the reference's exact division, so
+        the first candidate is bit for bit the scale :func:`jax_fp4.quantize` picks;
+        False uses XLA's float division (much faster to compile; the RTN-rule candidate
+        may then differ by one code where the quotient is within an ulp of a rounding
+        boundary). MX and codebook candidates need no division.
     Returns:
       (scales, zeros): (C, R, nb) in the buffer dtype of
       :func:`jax_fp4.reference.quantize_2d`, and (C, R, nb) uint8 zero points (int4) or
@@ -53,8 +67,9 @@ def candidate_scales(xb, spec: QuantSpec, row_ts=None, scale_dtype=None):
     amax_b = jnp.max(xb & 0x7FFFFFFF, axis=-1)
     amax = R._float(amax_b)
     if f.family == "nvfp4":
-        # one vectorised computation for both divisors (one copy of the exact division)
-        c6, c4 = _rtn_nvfp4_code(amax[None], row_ts, jnp.float32([6.0, 4.0])[:, None, None])
+        # one vectorised computation for both divisors (one copy of the division)
+        c6, c4 = _nvfp4_codes(amax[None], row_ts, jnp.float32([6.0, 4.0])[:, None, None],
+                              exact)
         cands = [c6 + d for d in (0, -3, -2, -1, 1, 2)] + [c4 + d for d in (-1, 0, 1)]
         return jnp.stack([jnp.clip(c, 1, E4M3.max_code) for c in cands]).astype(jnp.uint8), None
     if f.family == "mx":
@@ -67,7 +82,8 @@ def candidate_scales(xb, spec: QuantSpec, row_ts=None, scale_dtype=None):
     mn = R._float(R._from_ordered_key(jnp.min(key, axis=-1)))
     mx = R._float(R._from_ordered_key(jnp.max(key, axis=-1)))
     c = jnp.float32(SHRINK_GRID)[:, None, None]
-    return R.int4_scale_zero(mn[None] * c, mx[None] * c, scale_dtype)
+    rule = R.int4_scale_zero if exact else _int4_scale_zero_fast
+    return rule(mn[None] * c, mx[None] * c, scale_dtype)
 
 
 def block_errors(xb, spec: QuantSpec, scales, zeros, row_ts, weight=None):
@@ -141,16 +157,12 @@ def quantize_mse(w, format="nvfp4", *, axis: int = 0, block_size: Optional[int] 
 
 
 def _quantize_mse(w, spec, axis, weight=None):
-    dtype = w.dtype
-    rows = to_rows(w, axis)
-    spec.format.check_block_size(spec.block_size, rows.shape[1])
-    sd = spec.scale_dtype_for(dtype)
-    return _mse_jit(rows, None if weight is None else jnp.asarray(weight, jnp.float32),
-                    spec=spec, shape=tuple(w.shape), axis=axis, dtype=np.dtype(dtype), sd=sd)
+    from .api import quantize_group
+    from .calibration import LayerStats
 
-
-@jax.jit(static_argnames=("spec", "shape", "axis", "dtype", "sd"))
-def _mse_jit(rows, weight, *, spec, shape, axis, dtype, sd):
-    row_ts = spec.row_tensor_scale(rows)
-    scales, zeros = mse_block_scales(rows, spec, row_ts, weight, sd)
-    return quantize_rows_with_scales(rows, spec, scales, zeros, row_ts, shape, axis, dtype)
+    st = None
+    if weight is not None:
+        k = jnp.asarray(weight).shape[0]
+        st = [LayerStats(jnp.diag(jnp.asarray(weight, jnp.float32)),
+                         jnp.zeros((k,), jnp.float32), jnp.ones((), jnp.float32))]
+    return quantize_group([w], axis, spec, "awq" if st else "mse", st)[0]
