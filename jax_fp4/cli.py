@@ -78,7 +78,9 @@ def _cmd_quantize(args) -> int:
         return 1
     meta = {k: v for k, v in in_meta.items() if not k.startswith("jax_fp4.")}
     meta.update({"jax_fp4_source": os.path.basename(args.input),
-                 "jax_fp4_format": args.format, "jax_fp4_method": args.method})
+                 "jax_fp4_format": args.format})
+    if args.method != "rtn":
+        meta["jax_fp4_method"] = args.method
     save(args.output, out, metadata=meta)
     d = describe(args.output)
     before = os.path.getsize(args.input)

@@ -230,7 +230,7 @@ def quantize_params(tree, format: str = "nvfp4", *, filter: Filter = None, axis=
       ptq_options: method options: ``damp`` (GPTQ dampening, 0.01), ``act_order``
         (False), ``scale_search`` ("mse" or "rtn": GPTQ's block scales), ``awq_groups``
         (a sequence of :class:`jax_fp4.ptq.ScaleGroup`; default for the MiniLM
-        BertModel: :func:`jax_fp4.ptq.bert_groups`).
+        BertModel: :func:`jax_fp4.ptq.bert_groups`), ``progress`` (tqdm bars, True).
     Returns:
       a pytree of the same structure with QArray leaves (or a new module).
     Raises:

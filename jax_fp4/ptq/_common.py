@@ -94,15 +94,6 @@ def make_qarray(codes, scales, zeros, row_ts, spec: QuantSpec, shape, axis, dtyp
                   block_size=spec.block_size, scale_layout="linear")
 
 
-def quantize_rows_with_scales(w_rows, spec: QuantSpec, scales, zeros, row_ts, shape, axis,
-                              dtype) -> QArray:
-    """QArray of a (rows, K) weight with the given block scales (bit-consistent with the
-    reference quantizer, :func:`jax_fp4.reference.quantize_2d_with_scales`)."""
-    codes, sc, zs = R.quantize_2d_with_scales(w_rows, spec.format, spec.block_size, scales, zeros,
-                                              tensor_scale=row_ts)
-    return make_qarray(codes, sc, zs, row_ts, spec, shape, axis, dtype)
-
-
 def fast_qdq(x, spec: QuantSpec, scales, zeros=None, row_ts=None):
     """Quantize-dequantize float32 ``x`` with given block scales in plain float arithmetic.
 

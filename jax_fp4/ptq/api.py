@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 import warnings
-from typing import Dict, Optional
+from typing import Dict
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +23,7 @@ __all__ = ["METHODS", "quantize_group", "quantize_params_ptq"]
 
 #: post-training quantization methods of quantize_params
 METHODS = ("rtn", "mse", "gptq", "awq")
-_OPTIONS = ("damp", "act_order", "scale_search", "awq_groups")
+_OPTIONS = ("damp", "act_order", "scale_search", "awq_groups", "progress")
 
 
 def quantize_group(ws, axis: int, spec: QuantSpec, method: str, stats=None, *,
@@ -113,7 +113,7 @@ def _check_options(method, options):
     return options
 
 
-def _stats_of(calibration, model=None) -> Dict[str, LayerStats]:
+def _stats_of(calibration, model=None, progress=True) -> Dict[str, LayerStats]:
     if calibration is None:
         return {}
     if isinstance(calibration, Calibration):
@@ -122,7 +122,7 @@ def _stats_of(calibration, model=None) -> Dict[str, LayerStats]:
                              "model; for a parameter tree pass {kernel path: activations "
                              "or LayerStats}")
         return collect_stats(model, calibration.batches, calibration.forward,
-                             calibration.mask)
+                             calibration.mask, progress=progress)
     if isinstance(calibration, dict):
         return stats_from_activations(calibration)
     raise TypeError(f"calibration: expected None, a jax_fp4.ptq.Calibration or a dict "
@@ -192,7 +192,7 @@ def quantize_params_ptq(tree, format, *, method, calibration, options, filter, a
 
         if isinstance(tree, nnx.Module):
             return _ptq_nnx(tree, spec, method, calibration, options, filter, strict,
-                            act_format, act_mode, progress)
+                            act_format, act_mode, options.get("progress", progress))
     if "equinox" in sys.modules:
         import equinox as eqx
 
@@ -216,8 +216,9 @@ def quantize_params_ptq(tree, format, *, method, calibration, options, filter, a
         if P._fits_block(p, f"contraction axis {ax} has length", leaf.shape[ax], spec.format,
                          spec.block_size, strict, skipped):
             selected[p] = ax
-    stats = _stats_of(calibration)
-    new = _ptq_flat(flat, selected, spec, method, stats, options, progress)
+    stats = _stats_of(calibration) if method in ("gptq", "awq") else {}
+    new = _ptq_flat(flat, selected, spec, method, stats, options,
+                    options.get("progress", progress))
     if skipped:
         warnings.warn(f"quantize_params: left {len(skipped)} kernel(s) unquantized: "
                       + ", ".join(skipped), stacklevel=3)
@@ -237,7 +238,7 @@ def _ptq_nnx(model, spec, method, calibration, options, filter, strict, act_form
     if method == "awq" and "awq_groups" not in options and isinstance(model, BertModel):
         options["awq_groups"] = bert_groups(model.config.num_hidden_layers, "flax")
     pred = P._make_filter(filter)
-    stats = _stats_of(calibration, model)
+    stats = _stats_of(calibration, model, progress) if method in ("gptq", "awq") else {}
     model = nnx.clone(model)
     linears, selected, skipped = {}, {}, []
     for path, m in nnx.iter_modules(model):

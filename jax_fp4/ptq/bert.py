@@ -3,7 +3,6 @@
 the checkpoint's weight names."""
 from __future__ import annotations
 
-import dataclasses
 from typing import Iterable, Optional
 
 import numpy as np

@@ -24,7 +24,6 @@ from typing import Any, Callable, Iterable, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 __all__ = ["LayerStats", "Calibration", "collect_stats", "stats_from_activations"]
 

@@ -27,7 +27,7 @@ the block's columns is quantized:
 
 The stored codes are exactly the format's encode (:func:`jax_fp4.reference.encode_blocks`)
 of each column's value at the moment it was quantized, with the chosen scales; the QArray
-has the usual layout. Inputs channels never seen (diag H = 0) get H[j, j] = 1 and keep
+has the usual layout. Input channels never seen (diag H = 0) get H[j, j] = 1 and keep
 their weights.
 """
 from __future__ import annotations
@@ -40,7 +40,7 @@ import numpy as np
 from jax import lax
 
 from .. import reference as R
-from ._common import QuantSpec, fast_qdq, quantize_rows_with_scales, to_rows
+from ._common import QuantSpec, fast_qdq, to_rows
 from .mse import _argmin_candidates, candidate_scales
 
 __all__ = ["gptq_quantize", "gptq_rows", "inverse_hessian_factor", "SCALE_SEARCHES"]

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 from typing import Optional
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 from .. import reference as R
 from ..formats import E4M3
-from ._common import QuantSpec, fast_qdq, quantize_rows_with_scales, to_rows
+from ._common import QuantSpec, fast_qdq
 
 __all__ = ["candidate_scales", "mse_block_scales", "quantize_mse", "SHRINK_GRID"]
 
