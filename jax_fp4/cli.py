@@ -3,8 +3,10 @@
   jax-fp4 demo [--model DIR] [--formats F ...] [--limit N] [--json]
       all-MiniLM-L6-v2 quantized to every format (weight-only, plus NVFP4 / MXFP8 with
       activations), run under jax.jit on the packaged sentences; one table row per format.
-  jax-fp4 quantize IN OUT --format F [--filter REGEX]
-      quantize the 2-D weights of any safetensors checkpoint into a jax-fp4 checkpoint.
+  jax-fp4 quantize IN OUT --format F [--filter REGEX] [--method rtn|mse|gptq|awq]
+      quantize the 2-D weights of any safetensors checkpoint into a jax-fp4 checkpoint;
+      GPTQ / AWQ calibrate on --calibration ACTS.safetensors (per-weight input
+      activations) or, for a BERT sentence-encoder directory, --calibration-text FILE.
   jax-fp4 inspect FILE [--json] [--verify]
       what a (quantized) safetensors checkpoint holds; --verify reads every tensor and
       checks it against its checksum (exit status 2 and the problem on stderr if not).
@@ -45,7 +47,10 @@ def _cmd_demo(args) -> int:
     if args.json:
         print(json.dumps(res, indent=1))
     else:
-        print(f"all-MiniLM-L6-v2 sentence embeddings, {res['sentences']} sentences "
+        held = (f" held out ({res['calibration_sentences']} others calibrate GPTQ/AWQ)"
+                if res.get("calibration_sentences") is not None and
+                res["calibration_sentences"] != res["sentences"] else "")
+        print(f"all-MiniLM-L6-v2 sentence embeddings, {res['sentences']} sentences{held} "
               f"({res['tokens']} tokens), jax {res['jax']} on {res['device']} "
               f"(jax-fp4 backend: {res['backend']}); quality vs the float32 model:\n")
         print(format_table(res))
@@ -79,18 +84,20 @@ def _output_file(arg: str, path) -> None:
 
 
 def _quantize_tree(tensors, args, axis, ts):
-    """quantize_params on the checkpoint; kernels skipped because the block size does not
-    divide their contraction axis become one ValueError when nothing else was quantized,
-    else one note on stderr."""
+    """quantize_params on the checkpoint (with --method and its calibration); kernels
+    skipped because the block size does not divide their contraction axis become one
+    ValueError when nothing else was quantized, else one note on stderr."""
     import warnings
 
     from .nn.params import quantize_params
 
+    calibration, options = _calibration(args, tensors)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out = quantize_params(tensors, args.format, filter=args.filter, axis=axis,
                               block_size=args.block_size, tensor_scale=ts,
-                              scale_rounding=args.scale_rounding)
+                              scale_rounding=args.scale_rounding, method=args.method,
+                              calibration=calibration, ptq_options=options)
     skipped = [str(w.message) for w in caught if "unquantized" in str(w.message)]
     for w in caught:
         if str(w.message) not in skipped:
@@ -134,6 +141,8 @@ def _cmd_quantize(args) -> int:
     meta = {k: v for k, v in in_meta.items() if not k.startswith("jax_fp4.")}
     meta.update({"jax_fp4_source": os.path.basename(args.input),
                  "jax_fp4_format": args.format})
+    if args.method != "rtn":
+        meta["jax_fp4_method"] = args.method
     save(args.output, out, metadata=meta)
     d = describe(args.output)
     before = os.path.getsize(args.input)
@@ -166,6 +175,27 @@ def _cmd_finetune(args) -> int:
               f"{r0['steps']} steps; held-out quality vs float32, before -> after:\n")
         print(format_report(results))
     return 0
+
+
+def _calibration(args, tensors):
+    """(calibration, ptq_options) of ``jax-fp4 quantize`` for quantize_params."""
+    if args.method in ("rtn", "mse"):
+        if args.calibration or args.calibration_text:
+            raise ValueError(f"--calibration: method {args.method!r} uses no calibration data")
+        return None, None
+    if bool(args.calibration) == bool(args.calibration_text):
+        raise ValueError(f"--method {args.method}: give exactly one of --calibration "
+                         "ACTS.safetensors or --calibration-text FILE")
+    if args.calibration:
+        from .io import load
+
+        acts = load(args.calibration)
+        return acts, ({"act_order": args.act_order} if args.method == "gptq" else None)
+    from .ptq.bert import hf_bert_calibration
+
+    return hf_bert_calibration(os.path.dirname(os.path.abspath(args.input)),
+                               args.calibration_text, args.method, args.act_order,
+                               tensor_names=list(tensors))
 
 
 def _fmt_shape(s):
@@ -251,8 +281,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "package")
     d.add_argument("--formats", nargs="+", metavar="F",
                    help="variants: FORMAT (weight-only) or WEIGHTS:ACTIVATIONS, e.g. nvfp4 "
-                   "nf4 nvfp4:nvfp4 (default: all %d formats weight-only, then nvfp4:nvfp4 "
-                   "and mxfp8_e4m3:mxfp8_e4m3)" % len(FORMAT_NAMES))
+                   "nf4 nvfp4:nvfp4, the weights optionally with a PTQ method, nvfp4@gptq "
+                   "(mse, gptq, awq; evaluated on held-out sentences) (default: all %d "
+                   "formats weight-only, nvfp4:nvfp4, mxfp8_e4m3:mxfp8_e4m3, then every 4-bit "
+                   "format @mse, @gptq, @awq)" % len(FORMAT_NAMES))
     d.add_argument("--act-mode", choices=("auto", "fake", "scaled"), default="auto",
                    help="activations: fake-quantized, or block-scaled matmul (auto: scaled "
                    "when weights and activations are both nvfp4 or both MX)")
@@ -280,6 +312,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="nvfp4: two-level with a per-tensor scale (auto) or one level")
     q.add_argument("--scale-rounding", choices=("floor", "rceil"), default="floor",
                    help="MX formats: scale rounding rule")
+    q.add_argument("--method", choices=("rtn", "mse", "gptq", "awq"), default="rtn",
+                   help="rounding: rtn (round to nearest), mse (MSE-optimal block scales), "
+                   "gptq or awq (need calibration data); see docs/ptq.md")
+    q.add_argument("--calibration", metavar="ACTS", default=None,
+                   help="gptq/awq: a safetensors file of each weight's input activations, "
+                   "keyed by the weight's name, shaped (tokens, in_features)")
+    q.add_argument("--calibration-text", metavar="FILE", default=None,
+                   help="gptq/awq for a BERT sentence encoder (IN inside a Hugging Face "
+                   "directory with config.json and tokenizer.json): one sentence per line, "
+                   "or 'default' for the calibration half of the demo sentences")
+    q.add_argument("--act-order", action="store_true",
+                   help="gptq: quantize input channels by decreasing activation energy")
     q.add_argument("-v", "--verbose", action="store_true", help="list the quantized tensors")
     q.set_defaults(func=_cmd_quantize)
 

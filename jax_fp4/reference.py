@@ -369,22 +369,41 @@ def _quantize_nvfp4(xb, amax_b, tensor_scale, rand=None):
     else:
         pts = jnp.asarray(tensor_scale, F32)[:, None]
         s_f = jnp.clip(_div(_div(amax, 6.0), pts), F32(2.0 ** -6), F32(448.0))
-    s_code = encode(_bits(s_f), E4M3)
+    s_code = encode(_bits(s_f), E4M3).astype(jnp.uint8)
+    return _encode_nvfp4(xb, s_code, tensor_scale, rand), _mask_nvfp4_scales(s_code, tensor_scale)
+
+
+def _mask_nvfp4_scales(s_code, tensor_scale):
+    """An invalid per-tensor scale (NaN, Inf, < 2**-120) makes every block scale NaN."""
+    if tensor_scale is None:
+        return s_code
+    pts = jnp.asarray(tensor_scale, F32)[:, None]
+    valid = jnp.isfinite(pts) & (pts >= F32(TENSOR_SCALE_MIN))
+    return jnp.where(valid, s_code, jnp.uint8(0x7F))
+
+
+def _encode_nvfp4(xb, s_code, tensor_scale, rand=None):
     s = _decode_minifloat(s_code, E4M3)
-    recip = _div(1.0, s) if tensor_scale is None else _div(_div(1.0, pts), s)
+    if tensor_scale is None:
+        recip = _div(1.0, s)
+    else:
+        pts = jnp.asarray(tensor_scale, F32)[:, None]
+        recip = _div(_div(1.0, pts), s)
     p = _bits(_mul_exact(_float(xb), recip[..., None]))
     codes = encode((p & 0x7FFFFFFF) | (xb & jnp.uint32(0x80000000)), E2M1, rand=rand)  # sign of x, also for -0.0
-    s_code = s_code.astype(jnp.uint8)
     if tensor_scale is not None:
         valid = jnp.isfinite(pts) & (pts >= F32(TENSOR_SCALE_MIN))
-        s_code = jnp.where(valid, s_code, jnp.uint8(0x7F))
         codes = jnp.where(valid[..., None], codes, 0)
-    return codes, s_code
+    return codes
 
 
 def _quantize_mx(xb, amax_b, mf: MiniFloat, rceil, rand=None):
     code = _e8m0_rceil(amax_b, mf) if rceil else _e8m0_floor(amax_b, mf.emax)
-    return encode(xb, mf, (127 - code)[..., None], rand), code.astype(jnp.uint8)
+    return _encode_mx(xb, code, mf, rand), code.astype(jnp.uint8)
+
+
+def _encode_mx(xb, code, mf: MiniFloat, rand=None):
+    return encode(xb, mf, (127 - code.astype(I32))[..., None], rand)
 
 
 @functools.lru_cache(maxsize=None)
@@ -413,12 +432,16 @@ def bucketize(scaled, table):
 
 def _quantize_codebook(xb, amax_b, table, rand=None):
     absmax = _float(amax_b)
-    a = _float(jnp.maximum(amax_b, _bits(jnp.float32(1e-38))))  # integer max: exact
+    return _encode_codebook(xb, absmax, table, rand), absmax
+
+
+def _encode_codebook(xb, absmax, table, rand=None):
+    a = _float(jnp.maximum(_bits(absmax) & 0x7FFFFFFF, _bits(jnp.float32(1e-38))))  # exact
     recip = _div(1.0, a)
     scaled = _mul_exact(_float(xb), recip[..., None])  # clamp(-1, 1) is implied by bucketize
     if rand is None:
-        return bucketize(scaled, table), absmax
-    return _codebook_stochastic(scaled, table, rand), absmax
+        return bucketize(scaled, table)
+    return _codebook_stochastic(scaled, table, rand)
 
 
 def _codebook_stochastic(v, table, rand):
@@ -458,6 +481,15 @@ def _quantize_int4(xb, scale_dtype, rand=None):
     key = _ordered_key(xb)
     mn = _float(_from_ordered_key(jnp.min(key, axis=-1)))
     mx = _float(_from_ordered_key(jnp.max(key, axis=-1)))
+    s_store, z = int4_scale_zero(mn, mx, scale_dtype)
+    return _encode_int4(xb, s_store, z, rand), s_store, z
+
+
+def int4_scale_zero(mn, mx, scale_dtype):
+    """INT4 group scale (rounded to ``scale_dtype``) and uint8 zero point for groups
+    spanning [mn, mx] (float32 arrays of one shape): AutoAWQ's asymmetric rule
+    s = max(mx - mn, 1e-5) / 15, z = clip(-round(mn / s), 0, 15) (docs/spec.md section 3),
+    and the wide-block rule where mx - mn overflows (docs/spec-int4-overflow.md)."""
     d = mx - mn
     wide = ~(d < F32(INT4_WIDE_RANGE))
     f16 = jnp.dtype(scale_dtype) == jnp.float16
@@ -476,18 +508,80 @@ def _quantize_int4(xb, scale_dtype, rand=None):
     else:
         s_wide = _float(sw_bits)
     s_store = jnp.where(wide, s_wide.astype(s_norm.dtype), s_norm)
+    s = s_store.astype(F32)
+    z_norm = jnp.clip(-jnp.round(_div(mn, s)), 0, 15)
+    z_wide = jnp.where(-mn >= mx, F32(8.0), F32(7.0))
+    return s_store, jnp.where(wide, z_wide, z_norm).astype(jnp.uint8)
+
+
+def _encode_int4(xb, s_store, z, rand=None):
     s = s_store.astype(F32)[..., None]
-    z_norm = jnp.clip(-jnp.round(_div(mn[..., None], s)), 0, 15)
-    z_wide = jnp.where(-mn >= mx, F32(8.0), F32(7.0))[..., None]
-    z = jnp.where(wide[..., None], z_wide, z_norm)
     v = _div(_float(xb), s)
     if rand is None:
         r = jnp.round(v)
     else:  # floor + 1 exactly when rand < floor(2**32 * frac); frac * 2**32 is exact
         fl = jnp.floor(v)
         r = fl + (rand < _ldexp(v - fl, 32).astype(jnp.uint32)).astype(F32)
-    q = jnp.clip(r + z, 0, 15)
-    return q.astype(jnp.uint8), s_store, z[..., 0].astype(jnp.uint8)
+    return jnp.clip(r + z.astype(F32)[..., None], 0, 15).astype(jnp.uint8)
+
+
+def encode_blocks(xb, fmt, scales, zeros=None, *, tensor_scale=None):
+    """Element codes of float32-bit blocks for *given* block scales: the encode step of
+    :func:`quantize_2d` with its scale computation taken out.
+
+    Args:
+      xb: (..., nb, bs) uint32 float32 bit patterns (:func:`to_f32_bits`), finite.
+      fmt: format name or Format.
+      scales: (..., nb) block scales as :func:`quantize_2d` stores them (uint8 E4M3 /
+        E8M0 codes, float32 absmax, int4 scale in its dtype).
+      zeros: int4 only: (..., nb) uint8 zero points.
+      tensor_scale: nvfp4 only: None or (R,) float32 per-row decode scale (xb 3-D).
+    Returns:
+      (..., nb, bs) unpacked codes (uint32 or uint8), exactly those :func:`quantize_2d`
+      gives when it chooses the same scales.
+    """
+    f = get_format(fmt)
+    if f.family == "nvfp4":
+        return _encode_nvfp4(xb, scales, tensor_scale)
+    if f.family == "mx":
+        return _encode_mx(xb, scales, f.elem)
+    if f.family == "codebook":
+        return _encode_codebook(xb, scales, f.table)
+    return _encode_int4(xb, scales, zeros)
+
+
+def quantize_2d_with_scales(x, fmt, block_size, scales, zeros=None, *, tensor_scale=None):
+    """Quantize the canonical 2-D view with caller-chosen block scales (MSE scale search,
+    GPTQ), returning the FFI buffers of :func:`quantize_2d`.
+
+    Args:
+      x: (R, K) float32 / bfloat16 / float16, K % block_size == 0.
+      scales: (R, K/block_size) in the buffer dtype of :func:`quantize_2d` (uint8 E4M3 or
+        E8M0 bits, float32 absmax, the int4 scale dtype).
+      zeros: int4: (R, K/block_size) uint8 zero points; ignored otherwise.
+      tensor_scale: nvfp4: None or (R,) float32 per-row decode scale.
+    Returns:
+      (codes, scales, zeros) as :func:`quantize_2d`: with ``scales`` equal to what
+      quantize_2d chooses, bit-identical to it. Blocks holding NaN/Inf get the NaN scale
+      and zero codes, as there.
+    """
+    f = get_format(fmt)
+    r, k = x.shape
+    f.check_block_size(block_size, k)
+    xb = _blocks(x, block_size)
+    bad = jnp.max(xb & 0x7FFFFFFF, axis=-1) >= 0x7F800000
+    if f.family == "int4":
+        zeros = jnp.where(bad, 0, jnp.asarray(zeros)).astype(jnp.uint8)
+    else:
+        zeros = jnp.zeros((0,), jnp.uint8)
+    codes = encode_blocks(jnp.where(bad[..., None], 0, xb), f, scales, zeros,
+                          tensor_scale=tensor_scale)
+    if f.family == "nvfp4":
+        scales = _mask_nvfp4_scales(scales, tensor_scale)
+    nan_scale = {"nvfp4": 0x7F, "mx": 0xFF}.get(f.family, np.nan)
+    scales = jnp.where(bad, jnp.asarray(nan_scale, scales.dtype), scales)
+    codes = jnp.where(bad[..., None], 0, codes).astype(jnp.uint8)
+    return layout.pack(codes.reshape(r, k), f.bits), scales, zeros
 
 
 # --------------------------------------------------------------------------- dequantize
@@ -504,26 +598,39 @@ def dequantize_2d(codes, scales, zeros, fmt, block_size, k, dtype, *, tensor_sca
     if codes.dtype != jnp.uint8:
         codes = lax.bitcast_convert_type(codes, jnp.uint8)
     c = layout.unpack(codes, f.bits).reshape(r, k // block_size, block_size)
+    if scales.dtype != jnp.uint8 and f.family in ("nvfp4", "mx"):
+        scales = lax.bitcast_convert_type(scales, jnp.uint8)
+    y = decode_blocks(c, f, scales, zeros, tensor_scale=tensor_scale)
+    return round_f32_to(y.reshape(r, k), dtype)
+
+
+def decode_blocks(c, fmt, scales, zeros=None, *, tensor_scale=None):
+    """float32 values of unpacked element codes (DESIGN.md section 3 decode rules).
+
+    Args:
+      c: (..., nb, bs) unpacked codes (integers).
+      scales: (..., nb) block scales in the buffer dtype (uint8 bits for nvfp4 / MX).
+      zeros: int4: (..., nb) zero points.
+      tensor_scale: nvfp4: None or (R,) float32 per-row decode scale (c 3-D).
+    Returns:
+      (..., nb, bs) float32, exact (subnormals included).
+    """
+    f = get_format(fmt)
     if f.family in ("nvfp4", "mx"):
-        if scales.dtype != jnp.uint8:
-            scales = lax.bitcast_convert_type(scales, jnp.uint8)
         v = _decode_minifloat(c, f.elem)
         if f.family == "nvfp4":
             s = _decode_minifloat(scales, E4M3)
             if tensor_scale is not None:
                 s = _mul_exact(jnp.asarray(tensor_scale, F32)[:, None], s)
-            y = _mul_exact(v, s[..., None])
-        else:
-            sc = scales.astype(I32)[..., None]
-            # fp8 NaN/Inf element codes stay NaN/Inf (_ldexp assumes a finite value)
-            y = jnp.where(jnp.isfinite(v), _ldexp(jnp.where(jnp.isfinite(v), v, 0), sc - 127), v)
-            y = jnp.where(sc == 255, F32(np.nan), y)
-    elif f.family == "codebook":
-        y = _mul_exact(jnp.asarray(f.table)[c.astype(I32)], scales.astype(F32)[..., None])
-    else:
-        q = c.astype(F32) - zeros.astype(F32)[..., None]
-        y = _mul_exact(q, scales.astype(F32)[..., None])
-    return round_f32_to(y.reshape(r, k), dtype)
+            return _mul_exact(v, s[..., None])
+        sc = scales.astype(I32)[..., None]
+        # fp8 NaN/Inf element codes stay NaN/Inf (_ldexp assumes a finite value)
+        y = jnp.where(jnp.isfinite(v), _ldexp(jnp.where(jnp.isfinite(v), v, 0), sc - 127), v)
+        return jnp.where(sc == 255, F32(np.nan), y)
+    if f.family == "codebook":
+        return _mul_exact(jnp.asarray(f.table)[c.astype(I32)], scales.astype(F32)[..., None])
+    q = c.astype(F32) - zeros.astype(F32)[..., None]
+    return _mul_exact(q, scales.astype(F32)[..., None])
 
 
 def fake_quantize_2d(x, fmt, block_size, *, tensor_scale=None, rceil=False, scale_dtype=None,

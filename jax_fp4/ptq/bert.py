@@ -1,0 +1,65 @@
+"""Calibration of a Hugging Face BERT sentence encoder's checkpoint (``jax-fp4 quantize
+--calibration-text``): runs jax_fp4.models.minilm on sentences and keys the statistics by
+the checkpoint's weight names."""
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import numpy as np
+
+from .awq import ScaleGroup, bert_groups
+from .calibration import collect_stats
+
+__all__ = ["hf_bert_calibration", "sentence_batches"]
+
+
+def sentence_batches(encoder, sentences, batch_size: int = 32):
+    """Token batches of one shape (the last padded with masked rows) for calibration."""
+    ids, mask = encoder.tokenize(list(sentences))
+    out = []
+    for s in range(0, len(ids), batch_size):
+        bi, bm = ids[s:s + batch_size], mask[s:s + batch_size]
+        if bi.shape[0] < batch_size:
+            pad = np.zeros((batch_size - bi.shape[0], bi.shape[1]), np.int32)
+            bi, bm = np.concatenate([bi, pad]), np.concatenate([bm, pad])
+        out.append((bi, bm))
+    return out
+
+
+def _embed(model, batch):
+    return model.embed(*batch)
+
+
+def hf_bert_calibration(model_dir, text, method: str, act_order: bool = False,
+                        tensor_names: Optional[Iterable[str]] = None, progress: bool = True):
+    """GPTQ / AWQ calibration for the weights of a BERT checkpoint.
+
+    Args:
+      model_dir: Hugging Face directory with config.json, model.safetensors, tokenizer.json.
+      text: a file with one sentence per line, or "default" (the calibration half of the
+        packaged demo sentences, :func:`jax_fp4.models.demo.split_sentences`).
+      method: "gptq" or "awq"; act_order: GPTQ option.
+      tensor_names: the checkpoint's tensor names (to find a "bert." style prefix).
+    Returns:
+      ({HF weight name: LayerStats}, ptq_options) for :func:`jax_fp4.nn.quantize_params`.
+    Raises:
+      FileNotFoundError: missing model files or sentence file.
+    """
+    from ..models.demo import load_sentences, split_sentences
+    from ..models.minilm import _hf_name_map, load_sentence_encoder
+
+    enc = load_sentence_encoder(model_dir)
+    sents = (split_sentences(load_sentences())[0] if text == "default"
+             else load_sentences(text))
+    stats = collect_stats(enc.model, sentence_batches(enc, sents), _embed,
+                          lambda b: b[1], progress=progress)
+    names = set(tensor_names or ())
+    first = "encoder.layer.0.attention.self.query.weight"
+    prefix = next((n[:-len(first)] for n in names if n.endswith(first)), "")
+    hf = _hf_name_map(enc.model.config)
+    calib = {prefix + hf[k][0]: v for k, v in stats.items() if k in hf}
+    groups = tuple(ScaleGroup(tuple(prefix + p for p in g.kernels),
+                              tuple((prefix + p, a) for p, a in g.producers))
+                   for g in bert_groups(enc.model.config.num_hidden_layers, "hf"))
+    options = {"act_order": act_order} if method == "gptq" else {"awq_groups": groups}
+    return calib, options
