@@ -479,7 +479,7 @@ JF4_HD uint32_t codebook_code(uint32_t position) {
 // type first and the rounded value is used. Float16 scales saturate at 65504 instead of
 // overflowing. A wide block (max - min >= 2^127, or overflowing) takes s = max(max, -min)/8
 // (exact), rounded toward zero to the storage type, and z = 8 if -min >= max else 7, so
-// that every code decodes to a finite value (docs/spec-int4-overflow.md; reference
+// that every code decodes to a finite value (docs/spec.md section 3, INT4; reference
 // _quantize_int4).
 struct Int4Params {
   uint32_t scale_bits;  // in storage type st

@@ -468,7 +468,7 @@ _F16_MAX = 65504.0
 
 
 def _quantize_int4(xb, scale_dtype, rand=None):
-    """AutoAWQ min/max rule, plus the wide-block rule (docs/spec-int4-overflow.md).
+    """AutoAWQ min/max rule, plus the wide-block rule (docs/spec.md section 3, INT4).
 
     Normal block (max - min < 2**127 in float32): s = max(max - min, 1e-5) / 15 rounded to
     scale_dtype (float16 saturating at 65504 instead of overflowing to Inf),
@@ -489,7 +489,7 @@ def int4_scale_zero(mn, mx, scale_dtype):
     """INT4 group scale (rounded to ``scale_dtype``) and uint8 zero point for groups
     spanning [mn, mx] (float32 arrays of one shape): AutoAWQ's asymmetric rule
     s = max(mx - mn, 1e-5) / 15, z = clip(-round(mn / s), 0, 15) (docs/spec.md section 3),
-    and the wide-block rule where mx - mn overflows (docs/spec-int4-overflow.md)."""
+    and the wide-block rule where mx - mn overflows (docs/spec.md section 3, INT4)."""
     d = mx - mn
     wide = ~(d < F32(INT4_WIDE_RANGE))
     f16 = jnp.dtype(scale_dtype) == jnp.float16

@@ -180,7 +180,7 @@ def test_cuda_above_2_31_elements():
 
 @pytest.mark.parametrize("sd", [jnp.float32, jnp.bfloat16, jnp.float16])
 def test_cuda_int4_wide_blocks_match_reference(sd):
-    """INT4 blocks with max - min >= 2**127 or overflowing (docs/spec-int4-overflow.md):
+    """INT4 blocks with max - min >= 2**127 or overflowing (docs/spec.md section 3, INT4):
     the CUDA kernels give the reference's bits, and float32 decodes stay finite."""
     f32_max = float(np.finfo(np.float32).max)
     blocks = [(-1.8e38, 1.8e38), (-f32_max, f32_max), (-1e38, f32_max), (0.0, f32_max),

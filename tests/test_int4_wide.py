@@ -1,5 +1,5 @@
 """INT4 blocks whose range max - min is >= 2**127 or overflows float32 (the wide-block
-rule, docs/spec-int4-overflow.md): finite inputs decode to finite values, the reference
+rule, docs/spec.md section 3, INT4): finite inputs decode to finite values, the reference
 and the CPU kernels agree bit for bit, and the rule's values are what the spec says."""
 import jax
 import jax.numpy as jnp

@@ -91,5 +91,5 @@ def test_cpu_kernels_match_reference(case):
             continue
         np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=f"{fmt} {kw} {name}")
     fin = np.isfinite(x.astype(np.float32)).all(axis=1)
-    if fmt == "int4":  # finite blocks never decode to NaN (docs/spec-int4-overflow.md)
+    if fmt == "int4":  # finite blocks never decode to NaN (docs/spec.md section 3, INT4)
         assert not np.isnan(got[3][fin]).any()

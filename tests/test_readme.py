@@ -74,7 +74,7 @@ def test_readme_demo_table_is_what_the_demo_prints():
     except FileNotFoundError as e:
         pytest.skip(str(e))
     rows = _readme_demo_rows()
-    assert len(rows) == 1 + len(demo.DEFAULT_VARIANTS)
+    assert len(rows) == 1 + len(demo.RTN_VARIANTS)
     res = demo.run_demo(variants=["nvfp4:nvfp4"], progress=False)
     printed = {}
     for ln in demo.format_table(res).splitlines()[2:]:

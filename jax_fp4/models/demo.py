@@ -32,18 +32,19 @@ from typing import Iterable, List, Optional
 
 import numpy as np
 
-__all__ = ["DEFAULT_VARIANTS", "Variant", "parse_variant", "load_sentences", "spearman",
+__all__ = ["DEFAULT_VARIANTS", "RTN_VARIANTS", "Variant", "parse_variant", "load_sentences", "spearman",
            "rankdata", "compare_embeddings", "run_demo", "format_table", "split_sentences",
            "PTQ_VARIANTS"]
 
 #: every 4-bit weight format with the methods beyond round-to-nearest
 PTQ_VARIANTS = tuple(f"{f}@{m}" for f in ("nvfp4", "mxfp4", "nf4", "bnb_fp4", "int4")
                      for m in ("mse", "gptq", "awq"))
-#: weight-only for every format, then NVFP4 (W4A4) and MXFP8 (W8A8) with activations, then
-#: the 4-bit formats by MSE / GPTQ / AWQ
-DEFAULT_VARIANTS = ("nvfp4", "mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8_e4m3", "mxfp8_e5m2",
-                    "nf4", "bnb_fp4", "int4", "nvfp4:nvfp4",
-                    "mxfp8_e4m3:mxfp8_e4m3") + PTQ_VARIANTS
+#: round to nearest: weight-only for every format, then NVFP4 (W4A4) and MXFP8 (W8A8) with
+#: activations
+RTN_VARIANTS = ("nvfp4", "mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8_e4m3", "mxfp8_e5m2",
+                "nf4", "bnb_fp4", "int4", "nvfp4:nvfp4", "mxfp8_e4m3:mxfp8_e4m3")
+#: the RTN rows, then the 4-bit formats by MSE / GPTQ / AWQ
+DEFAULT_VARIANTS = RTN_VARIANTS + PTQ_VARIANTS
 
 
 class Variant:
