@@ -449,57 +449,26 @@ def _wmatmul_transpose(ct, x, codes, scales, zeros, ts, **params):
     return [ctx.astype(x.aval.dtype), None, None, None, None]
 
 
-# Fused W4A16 CUDA kernel (csrc/cuda/wmatmul.cu) and the size rule, measured on an H100
-# (benchmarks/RESULTS.md, 2026-11-23/25, device time, 8192 x 28672 / 28672 x 8192):
-# - M = 1 to wgmma_max_m on sm_90a: the wgmma kernel (nvfp4 M = 1-16: 58-61 us against
-#   62-67 us direct at M = 1-8 and 90-100 us at M = 16). How far, per format
-#   (fused wgmma against dequantize + dot, ms, bench_matmul.py --rule-ms 1024 2048 4096,
-#   RESULTS.md round 6 and round 10; from M = 512-2048 the kernel multicasts x for a
-#   linear-layout weight, wmatmul_cluster):
-#   - nvfp4, one or two levels (folded): up to M = 4096 (bf16 x, M = 4096: 2.59 / 2.44 against
-#     2.65 / 2.49; M = 2048: 1.30 / 1.20 against 1.44 / 1.35. f16 x, folded since round 25,
-#     RESULTS.md round 25 C, H200: M = 4096 2.56 / 2.48 against 2.58 / 2.46, equal, and no
-#     dequantized copy of the weight; M = 2048 1.26 / 1.22 against 1.37 / 1.31).
-#   - mxfp4: up to M = 4096 (since its decode is one multiply per pair where the block
-#     scales allow, round 10: M = 4096 2.61 / 2.53 against 2.71 / 2.55). With f16 x (the
-#     E2M1 bits placed into f16 take two more operations per pair): up to M = 2048
-#     (RESULTS.md round 25 C, H200: M = 2048 1.33 / 1.27 against 1.35 / 1.29, M = 4096 2.66
-#     / 2.59 against 2.52 / 2.52).
-#   - int4: up to M = 4096 (RESULTS.md round 22 C: M = 4096 2.81 / 2.78 against 2.87 /
-#     2.80, and no dequantized bf16 copy of the weight; round 10: M = 2048 1.47 / 1.34
-#     against 1.53 / 1.43).
-#   - nf4, bnb_fp4 (table decode): up to M = 2048 (round 22 C: M = 2048 nf4 1.40 / 1.40
-#     against 1.55 / 1.45, bnb_fp4 1.40 / 1.41 against 1.53 / 1.43; M = 4096 nf4 2.91 /
-#     2.90 against 2.89 / 2.73, bnb_fp4 2.95 / 2.90 against 2.84 / 2.66).
-#   - int4 decoded otherwise than by its bit path (FUSED_MAX_M_WGMMA_DECODE):
-#     - f16 scales with bf16 x (AWQ's scales in a bf16 model; the split scale, one more
-#       multiply per pair): up to M = 2048 (RESULTS.md round 25 C, H200: M = 1024 0.69 /
-#       0.68 against 0.81 / 0.77, M = 2048 1.41 / 1.35 against 1.43 / 1.37, M = 4096 2.82
-#       / 2.78 against 2.71 / 2.61).
-#     - other scale dtypes (the table decode): up to M = 1024 (round 24 E, H100, f16
-#       scales with bf16 x before they had the split: M = 1024 0.80 / 0.78 against 0.88 /
-#       0.83, M = 2048 1.61 / 1.54 against 1.55 / 1.43, M = 4096 3.22 / 3.15 against 2.89
-#       / 2.73).
-# - larger M: the CUDA dequantize kernel + XLA's (cuBLAS) bf16 dot.
-# - without wgmma (other GPUs, or a build without sm_90a): the mma.sync kernels up to
-#   FUSED_MAX_M (M = 64: 0.15-0.18 ms, about the bf16 dot; at M = 256 they lose to
-#   dequantize + dot), then dequantize + dot.
+# Fused W4A16 CUDA kernel (csrc/cuda/wmatmul.cu) and the size rule. Every choice below
+# satisfies the W4A16 contract (docs/spec.md section 5); they are tuning data, each limit
+# the M up to which the fused kernel was faster than the CUDA dequantize kernel + XLA's
+# bf16 dot on H100 / H200 (the measurements: benchmarks/RESULTS.md and the log,
+# benchmarks/log/NOTES.md):
+# - sm_90a: the wgmma kernel from M = 1 up to wgmma_max_m, by format and decode path
+#   (the table decode stops earlier than the bit path; a prepared weight never stops,
+#   since dequantize + dot would first have to restore the linear layout, a copy);
+# - other GPUs: the mma.sync kernels up to FUSED_MAX_M;
+# - beyond: dequantize + dot.
 FUSED_FORMATS = ("nvfp4", "mxfp4", "nf4", "bnb_fp4", "int4")
 FUSED_MAX_M = 64
 FUSED_MAX_M_WGMMA = {"nvfp4": 2048, "mxfp4": 4096, "nf4": 2048, "bnb_fp4": 2048, "int4": 4096}
 FUSED_MAX_M_WGMMA_FOLDED = 4096
 # (format, wmatmul_decode, x dtype) -> its limit, where a format decodes otherwise than its
-# FUSED_MAX_M_WGMMA entry was measured on (bf16 x and the bit path; two-level nvfp4 keeps
-# FUSED_MAX_M_WGMMA's, 2048, measured on its table decode).
+# FUSED_MAX_M_WGMMA entry was measured on (bf16 x and the bit path).
 FUSED_MAX_M_WGMMA_DECODE = {("mxfp4", "bits", "float16"): 2048,
                             ("int4", "split", "bfloat16"): 2048,
                             ("int4", "table", "bfloat16"): 1024, ("int4", "table", "float16"): 1024}
-# Prepared weights (jax_fp4.prepare, the "tiled" layout): the wgmma kernel at every M. It
-# was the fastest path at every M measured, for every format; dequantize + dot must first
-# restore the linear layout, a copy of the weight (H100, 8192 x 28672 / 28672 x 8192, ms,
-# fused against dequantize + dot, bench_matmul.py --prepare --rule-ms 2048 4096, RESULTS.md
-# round 17 B): int4 M = 2048 1.24 / 1.22 against 1.71 / 1.61, M = 4096 2.51 / 2.50 against
-# 3.08 / 2.93 (bf16 2.47 / 2.52); nf4 M = 4096 2.85 / 2.90 against 3.10 / 2.93.
+# Prepared weights (jax_fp4.prepare, the "tiled" layout): the wgmma kernel at every M.
 FUSED_MAX_M_WGMMA_TILED = float("inf")
 _FUSED_TARGET = "jax_fp4_wmatmul_v3"
 # The most K-splits the wgmma kernel sums in one cluster (csrc/cuda/wmatmul.cu,
@@ -507,24 +476,13 @@ _FUSED_TARGET = "jax_fp4_wmatmul_v3"
 _CLUSTER_MAX_SPLITS = 8
 # (rows per CTA, k per super-step, resident CTAs per SM, fewest super-steps per split) of
 # the direct kernel (M <= 16), the staged kernel and the wgmma kernel by tile_m
-# (csrc/cuda/wmatmul.cu). The wgmma kernel splits K into runs of >= 12 steps: a sweep (S
-# = 1, 2, 4, 7) at M = 32-128 on the two shapes above was fastest at the smallest S that
-# fills the GPU, and 14336 x 4096 at M <= 16 8 splits of 14 steps (one wave of 256 CTAs)
-# 5% faster than 7 of 16 (RESULTS.md round 12 A); weights of few tiles: >= _GRID_MIN_STEPS
+# (csrc/cuda/wmatmul.cu). The wgmma kernel splits K into runs of >= 12 steps (the smallest
+# split count that fills the GPU was fastest); weights of few tiles: >= _GRID_MIN_STEPS
 # (wmatmul_grid).
 _FUSED_DIRECT_MAX_M = 16
-# The wgmma kernel from M = 1 wherever it runs (tile_m = 8 up to M = 8, 16 up to 16); the
-# direct kernel only where it does not. Measured on an H100, 8192 x 28672 / 28672 x 8192,
-# wgmma (tile_m = 8) vs direct kernel (us; bench_matmul.py --rule-ms 1 8, RESULTS.md
-# round 11):
-# - bf16 x, M = 1: one-level nvfp4 59.7 / 58.5 vs 62.2 / 62.6; mxfp4 59.2 / 56.4 vs 58.7 /
-#   58.5; nf4 78.5 / 72.0 vs 78.3 / 76.6; bnb_fp4 78.6 / 72.4 vs 78.8 / 77.0; int4 62.3 /
-#   62.3 vs 62.8 / 63.1; two-level nvfp4 82.8 / 75.2 vs 83.7 / 81.7.
-# - f16 x, M = 1: nvfp4 67.1 / 61.8 vs 63.3 / 64.3 (the one mixed case; even summed over
-#   the two shapes); mxfp4 76.3 / 69.9 vs 80.8 / 77.7; nf4 78.9 / 72.4 vs 79.4 / 76.8;
-#   int4 62.2 / 63.9 vs 63.4 / 63.3.
-# - M = 8: the wgmma kernel as at M = 1, the direct kernel 67-100 us (f16 nvfp4 66.8 /
-#   62.2 vs 69.7 / 67.2, two-level nvfp4 82.6 / 75.8 vs 100.0 / 95.0).
+# The wgmma kernel from M = 1 wherever it runs (tile_m = 8 up to M = 8, 16 up to 16): it
+# was as fast as the direct kernel or faster at M = 1-8 for every format; the direct
+# kernel only where wgmma does not run.
 _FUSED_GEOMETRY = {"direct": (128, 256, 4, 1), "staged": (128, 128, 4, 2),
                    8: (128, 128, 2, 12), 16: (128, 128, 2, 12), 32: (128, 128, 2, 12),
                    64: (128, 128, 2, 12),
@@ -589,8 +547,8 @@ def wmatmul_splits(m, n, k, sms=None, tile_m=0, partials=0.25, min_steps=None, p
     per SM, default the kernel's), with no empty split, at least `min_steps` super-steps
     per split (default 1 for the direct kernel, 2 staged, 12 wgmma) and the float32 partial
     sums (S x M x N x 4 bytes) at most `partials` times the 4-bit codes' bytes; if none, the
-    S of best wave efficiency. (Measured on an H100 with 3 CTAs per SM, nvfp4 M = 1, 28672
-    x 8192: S = 6, 0.97 of a wave, 58.6 us; S = 11, 1.78 waves, 64.9 us.)"""
+    S of best wave efficiency (a split count past one full wave costs a second, mostly
+    idle one)."""
     direct = m <= _FUSED_DIRECT_MAX_M
     kind = tile_m or ("direct" if direct else "staged")
     rows, step, kernel_per_sm, default_min_steps = _FUSED_GEOMETRY[kind]
@@ -633,12 +591,8 @@ def wmatmul_grid(m, n, k, wgmma=None, sms=None):
     short as _GRID_MIN_STEPS steps, and aim at one CTA per SM (the kernels of two CTAs per
     SM too: at a few steps per split the second CTA on an SM did not pay), and a 256-row
     tile may become 128-row tiles: the grid that fills most of a wave (_wave_fill) wins,
-    then the one with fewer splits, then the larger tile. (H100, nvfp4, us: 4096 x 4096 at
-    M = 256, 32 CTAs of 256 rows, 48.4 -> 128 CTAs of 128 rows with 2 splits, 22.5, bf16
-    dot 24.0; 14336 x 4096 at M = 256 139.6 -> 53.4; RESULTS.md round 8. At M = 1 / 16 /
-    64, 4096 x 4096: 2 splits 12.6 / 13.4 / 15.3, 4 splits 8.9 / 9.7 / 12.0, 8 splits 9.0
-    / 9.9 / 13.9, bf16 dot 13.3 / 14.3 / 17.8; 4096 x 1024 at M = 1 / 16: 2 splits 11.9 /
-    12.9, 16 splits 5.2 / 5.7, bf16 19.3 / 10.7; RESULTS.md round 12.)"""
+    then the one with fewer splits, then the larger tile (on these shapes the filled grid
+    was about twice as fast; benchmarks/log/NOTES.md rounds 8 and 12)."""
     tile = wmatmul_tile_m(m, wgmma=wgmma)
     splits = wmatmul_splits(m, n, k, sms=sms, tile_m=tile)
     if tile == 0 or _wave_fill(m, n, tile, splits, sms) >= _GRID_MIN_FILL:
@@ -677,12 +631,8 @@ def fused_wmatmul_applies(avals_in, params, gpu=None):
 
 
 # The table path's x permutation moves 32-bit pairs of elements where x needs no padding
-# or has at least this many elements (padded), else bf16 elements. Alone on an H100
-# (jax.jit of wmatmul_x_layout, us, bf16 elements -> pairs; benchmarks/RESULTS.md round 22
-# J): K = 8192 M = 16 1.80 -> 1.37, M = 64 3.69 -> 2.33, M = 256 11.05 -> 2.48, M = 1024
-# 40.5 -> 7.6; K = 28672 M = 256 35.5 -> 5.7; but M = 1 (rows padded to 8) 1.36 -> 2.59.
-# Through JAX with an x of its own per call, nf4 1-14% faster at M = 64-1024 (RESULTS.md
-# round 23 C).
+# or has at least this many elements (padded), else bf16 elements: XLA moves pairs as
+# words several times faster, except for tiny padded x, where the bitcasts cost more.
 _X_PAIRS_MIN_SIZE = 1 << 19
 
 
@@ -691,8 +641,7 @@ def wmatmul_x_layout(x, bit_path, tile_m=1):
     128 and permuted within each 128-k block into the k order of the kernel's A fragments
     (csrc/cuda/wmatmul.cu, "wgmma kernel"); M' = M rounded up to a multiple of `tile_m`
     with zero rows, so that no activation box of the tensor memory accelerator reaches past
-    x's rows (boxes partly out of bounds made the kernel 10-39% slower at tile_m >= 64:
-    H100, nvfp4 8192 x 28672, M = 129: 277 -> 173 us; benchmarks/log/NOTES.md round 7).
+    x's rows (boxes partly out of bounds made the kernel markedly slower at tile_m >= 64).
     Block position 32 s2 + 16 hh + 8 sec + 2 tt + e holds element 32 tt + 8 s2 + 4 e +
     2 hh + sec (bit path: a register pairs elements p, p + 4 of a code word) or 32 tt +
     8 s2 + 4 hh + 2 sec + e (table path: elements 2 i, 2 i + 1); tt is the lane's k
@@ -766,26 +715,12 @@ def wgmma_max_m(fmt, folded=False, tiled=False, decode="bits", x_dtype=jnp.bfloa
 
 # The wgmma kernel at tile_m = 256 in clusters of two CTAs on adjacent weight tiles that
 # share x's tile, each copying half of it into both (TMA multicast): half the L2 reads of
-# x, at the cost of the pair waiting for each other every step. From _MULTICAST_MIN_M
-# rows of x, where it was faster (harness, H100, 8192 x 28672 / 28672 x 8192, 1 CTA vs 2
-# per cluster, us; benchmarks/log/NOTES.md round 6):
-# - mxfp4: M = 512 395 / 335 -> 387 / 315, M = 1024 762 / 743 -> 672 / 613, M = 2048
-#   1629 / 1590 -> 1355 / 1208; int4: M = 512 399 / 342 -> 399 / 332, M = 1024 765 / 731
-#   -> 697 / 644, M = 2048 1608 / 1543 -> 1408 / 1263.
-# - nvfp4 (one-level, bf16 x): M = 1024 601 / 548 -> 627 / 579 (slower: the MMAs, not
-#   the copies, bound it), M = 1536 991 / 855 -> 983 / 864, M = 2048 1330 / 1243 -> 1257 /
-#   1151, M = 4096 2661 / 2530 -> 2517 / 2307.
-# - nf4 (table decode, bound by its shared-memory lookups): within 1.5% at M = 512-2048,
-#   never; bnb_fp4 decodes the same way.
+# x, at the cost of the pair waiting for each other every step. From _MULTICAST_MIN_M rows
+# of x, where that paid (for nvfp4 only at M >= 2048, where the copies rather than the
+# MMAs bound it; never for the table decode, bound by its lookups).
 _MULTICAST_MIN_M = {"nvfp4": 2048, "mxfp4": 512, "int4": 512, "nf4": None, "bnb_fp4": None}
 # A prepared weight (one 1-D bulk copy per stage for its codes, scales and zero points)
-# runs faster without: harness, H100, 8192 x 28672 / 28672 x 8192, 1 CTA vs 2 per
-# cluster, us (benchmarks/log/NOTES.md round 19): M = 1024 int4 574 / 549 vs 593 / 579, mxfp4
-# 563 / 536 vs 582 / 568, nvfp4 565 / 542 vs 594 / 578, nf4 639 / 615 vs 638 / 608; M =
-# 4096 int4 2344 / 2265 vs 2370 / 2294, mxfp4 2286 / 2228 vs 2309 / 2247, nvfp4 2310 /
-# 2252 vs 2356 / 2296, nf4 2568 / 2499 vs 2562 / 2500. Through JAX (trained weights, at the
-# power cap) 2-5% faster at M = 1024 and equal within the run-to-run spread at 2048-4096
-# (benchmarks/RESULTS.md round 19 B).
+# runs faster without.
 _MULTICAST_MIN_M_TILED = dict.fromkeys(_MULTICAST_MIN_M)
 
 
