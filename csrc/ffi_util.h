@@ -91,7 +91,7 @@ inline const char* dtype_name(ffi::DataType t) {
 
 // A shape as text, "(200, 128)". With std::string only: the same function through
 // std::ostringstream crashed the process (segfault) when a CUDA handler built an error
-// message with it under jax 0.11.2's CUDA plugin (benchmarks/log/NOTES.md round 16); the
+// message with it under jax 0.11.2's CUDA plugin (benchmarks/log/NOTES.md); the
 // stream's template code is instantiated in the extension and exported as weak symbols,
 // which another library loaded in that process can interpose.
 inline std::string dims_str(ffi::AnyBuffer::Dimensions d) {

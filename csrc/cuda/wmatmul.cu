@@ -321,8 +321,8 @@ __device__ __forceinline__ uint32_t hfma2(uint32_t a, uint32_t b, uint32_t c) { 
 //   32 c + l, so lane l reads only bank l whatever its codes: one shift, one LOP3 and one
 //   LDS.32 per element, twice the loads of the pair tables and the same bytes.
 // The pair tables take fewer instructions (an SM issues the decode's instructions at about
-// the same rate whatever they are: time follows their count, NOTES.md round 18), the lane
-// table less shared memory; wg_copies chooses per tile width, the direct kernel has 16
+// the same rate whatever they are: time follows their count), the lane table less shared
+// memory; wg_copies chooses per tile width, the direct kernel has 16
 // copies, the staged kernel the lane table.
 
 // (a & mask) | (b & ~mask) as one LOP3 (written out: the compiler would otherwise mask
@@ -569,8 +569,8 @@ __device__ __forceinline__ void decode_word(uint32_t w, const Dec& d, const floa
     }
   } else {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {  // each byte's loads, then its multiplies (all loads first:
-                                   // BN = 16 ran 3% slower, NOTES.md round 22)
+    for (int i = 0; i < 4; ++i) {  // each byte's loads, then its multiplies (all loads
+                                   // first ran slower: more registers live)
       float lo, hi;
       table_pair<COPIES>(w, i, table, copy, lo, hi);
       out[i] = finish_pair<FMT, BF16>(lo, hi, d);
@@ -947,7 +947,7 @@ __global__ void __launch_bounds__(kWarps * 32, 4) wmatmul_direct_kernel(
 // wg: rows 64 wg + 16 warp + {g, g + 8}, lane t owning k [32 t, 32 t + 32) of each per
 // 128-k step, as in the staged kernel) and BN activation rows; per 128-k step each
 // warpgroup issues 8 wgmma m64nBNk16, BN = 8 .. 256 (the caller's tile_m: 8 for M <= 8,
-// where n8 against n16 was 1-6% faster on the H100, benchmarks/log/NOTES.md round 11). The
+// where n8 beats n16: half the B tile to copy and multiply). The
 // MMA sums over k, so the activations must sit in shared memory in the lane's k order:
 // the caller passes x pre-permuted within each 128-k block (jax_fp4/primitives.py,
 // wmatmul_x_layout), so that plain tile copies do.
@@ -957,8 +957,8 @@ __global__ void __launch_bounds__(kWarps * 32, 4) wmatmul_direct_kernel(
 // descriptor names, and the step's weight codes (128 rows x 64 bytes, zero past N and K)
 // behind it, completing on the stage's `full` mbarrier; wg_stages<FMT, BITS, BN> stages. The copies
 // carry L2 hints: the codes, read once, are evicted first, the activations, which every
-// CTA re-reads, last (without them the codes pushed x out of L2 and the kernel read 31%
-// more DRAM bytes than the weight; benchmarks/log/NOTES.md, round 3). A
+// CTA re-reads, last (without them the codes pushed x out of L2 and the kernel read
+// markedly more DRAM bytes than the weight). A
 // warpgroup keeps one wgmma group in flight across steps, so the stage of step s - 1
 // may still be read during step s. Once a warp's first wgmma group of step s is issued
 // and the group before it done, the warp is done with step s - 1 and arrives on that
@@ -973,22 +973,20 @@ __global__ void __launch_bounds__(kWarps * 32, 4) wmatmul_direct_kernel(
 //  - BN = 256: a third, producer warpgroup (CUTLASS's warp-specialized kernels): one
 //    lane waits on the `empty` barriers and issues the copies, its warpgroup gives its
 //    registers to the two consumer warpgroups (setmaxnreg 40 / 232), leaves after its
-//    last copy, and the consumers' epilogue synchronises on named barrier 1. Against a
-//    CTA barrier per step with only stages - 2 = 1 step of copies ahead (three stages of
-//    72 KB fill the SM), M = 1024 on 8192 x 28672: nvfp4 645 -> 602, mxfp4 890 -> 733,
-//    int4 890 -> 767 us (benchmarks/log/NOTES.md, round 5).
+//    last copy, and the consumers' epilogue synchronises on named barrier 1. A CTA
+//    barrier per step would keep only stages - 2 = 1 step of copies ahead (three stages
+//    of 72 KB fill the SM).
 //    Where the caller asks (attribute `cluster` = 2, primitives.wmatmul_cluster), the
 //    BN = 256 kernel runs in clusters of two CTAs on adjacent 128-row weight tiles with
 //    the same activation tile: each producer copies one 64-k box of it into both CTAs'
 //    stage (TMA multicast), so the pair reads x from L2 once. A stage is then refilled
 //    only once the consumers of both CTAs released it: each producer, after its own
 //    `empty` barrier, arrives on its own and the other CTA's `pair` barrier and waits on
-//    its own. (M = 1024, 8192 x 28672: mxfp4 762 -> 672, int4 765 -> 697 us; nvfp4 601
-//    -> 627, faster only from M = 2048; benchmarks/log/NOTES.md, round 6.)
+//    its own. (It pays where the copies, not the MMAs, bound the kernel:
+//    primitives.wmatmul_cluster.)
 // Each lane reads its two 16-byte code chunks of a step from the stage (a warp reads 512
-// contiguous bytes). (Against codes loaded by the lanes into registers: mxfp4, nf4, int4
-// 2-9% faster at M = 8..1024, nvfp4 within 2% at M <= 64 and 2-3% slower at M >= 256;
-// benchmarks/log/NOTES.md, round 3.) The block scales (and INT4 zero points) come one of two
+// contiguous bytes), which beat codes loaded by the lanes into registers for every format
+// but nvfp4 at large M, where they were close. The block scales (and INT4 zero points) come one of two
 // ways: as scale boxes in the stage (wg_boxes<FMT, BITS, BN> and launch_wgmma's checks on
 // the scale rows), one more tensor copy of the 128 rows x 16 aligned bytes that hold the
 // step's blocks, read by the lanes from shared memory; or loaded by the lanes from global
@@ -1020,64 +1018,41 @@ template <int BN>
 __host__ __device__ constexpr bool wg_can_multicast() { return wg_producer<BN>(); }
 // The table path's table (fill_table, decode_word), by tile width:
 // - BN = 8, 16, 128: the wide pair table (32 copies, 64 KB), one PRMT per address, beside
-//   3 stages. Harness, H100, nf4 prepared, 8192 x 28672 / 28672 x 8192, us, before -> now
-//   (16 copies with a three-op address at BN <= 16, the lane table at 128): M = 1 72.9 /
-//   64.6 -> 61.3 / 56.0, M = 16 78.9 / 69.4 -> 64.0 / 57.9, M = 128 130.7 -> 119.0
-//   (benchmarks/log/NOTES.md round 18).
-// - BN = 32, 64: 16 pair-table copies (32 KB), where 64 KB would cost a CTA per SM or
-//   (BN = 32 with 2 stages) 10% (H200, M = 32: 73.7 -> 80.7 us); 16 copies took M = 16 126
-//   -> 82 us, M = 32 131 -> 87 against 4 copies (round 6), M = 64 141 -> 94 (round 7).
-// - BN = 256: the lane table (2 KB); its 3 stages of 73 KB leave no room for a pair table.
-//   The wide table with 2 stages was 2-3% faster at M = 1024 but 3-4% slower at M = 4096
-//   (through JAX, H100: 2.93 / 3.01 ms against 2.85 / 2.90, round 18).
+//   3 stages: the fewest decode instructions.
+// - BN = 32, 64: 16 pair-table copies (32 KB), where 64 KB would cost a CTA per SM or a
+//   stage.
+// - BN = 256: the lane table (2 KB); its 3 stages of 73 KB leave no room for a pair table
+//   (the wide table with 2 stages lost at large M).
 // - INT4's table path: the lane table, its scale and zero-point boxes leave no room.
+// (The measurements behind these choices: benchmarks/log/NOTES.md.)
 template <int FMT, int BN>
 __host__ __device__ constexpr int wg_copies() {
   return FMT == kINT4 || BN >= 256 ? kLaneTable : BN == 32 || BN == 64 ? kCopies : kWideCopies;
 }
 // Code words (of each of a lane's two rows) decoded per wgmma group: 2, or 1 at BN = 256
 // and for the table path at BN = 8 (with its loads ahead, below), but INT4's (with one
-// word there ptxas serializes its wgmmas, C7513). The bit path with 4 words (one group a
-// step) at BN = 8 / 16 was 10-30% slower, with 1 word equal to 1.5% slower (NOTES.md
-// round 22).
+// word there ptxas serializes its wgmmas, C7513). More words per group hold more
+// registers and hide less latency; fewer issue more groups: 2 was fastest.
 template <int FMT, int BITS, int BN>
 __host__ __device__ constexpr int wg_words() { return BN >= 256 || (!BITS && FMT != kINT4 && BN == 8) ? 1 : 2; }
 // Whether the table path loads a group's table values before issuing the wgmmas of the
 // group before (the group's multiplies after them; table_load / table_finish): at BN = 256,
-// and at BN = 8 where it has one word per group. Harness, nf4, H100, us, 8192 x 28672 /
-// 28672 x 8192 (two machines, 4 passes): linear M = 1 65.6-66.6 / 60.4-61.1 -> 64.0-64.9 /
-// 59.7-60.0, prepared M = 1 59.6-59.9 / 54.4-54.8 -> 58.9-59.5 / 53.5-54.2; 8192 x 28672
-// prepared M = 256 175.7-177.5 -> 172.5-174.1, M = 1024 616.2-617.9 -> 607.7-609.7; H200
-// alike (M = 4096 2468-2499 -> 2436-2440). At BN = 16-128 1-5% slower with two words (M =
-// 16 63.3 / 57.5 -> 66.7 / 59.9), up to 27% with one; loading the next step's first group
-// during the step before too, 3-19% slower (benchmarks/log/NOTES.md round 22).
+// and at BN = 8 where it has one word per group: there the loads' latency hides behind
+// the wgmmas; with two words per group (BN = 16-128) the extra live registers cost more
+// than they hide.
 template <int FMT, int BN>
 __host__ __device__ constexpr bool wg_table_ahead() { return BN == 256 || (BN == 8 && wg_words<FMT, false, BN>() == 1); }
 // 128-k steps per stage: 2 for the bit path at BN <= 64, for the prepared bit path at
 // BN = 128, the table path at BN = 8 and the prepared table path at BN = 32, else 1. A
 // stage of two steps is waited for, released and refilled once.
-// - BN = 8 to 32, 3 stages of two (6 steps ahead). Through JAX on the H100, 8192 x 28672 /
-//   28672 x 8192: mxfp4 M = 1 59.4 / 56.5 -> 55.2 / 54.2 us, M = 16 63.1 / 60.5 -> 58.4 /
-//   55.8; nvfp4 (with its scale boxes, wg_boxes) M = 16 61.5 / 60.2 -> 59.9 / 58.7, M = 1
-//   equal (benchmarks/log/NOTES.md round 13). Linear INT4 with its scale and zero-point boxes
-//   (2 stages of two at BN = 32, where 3 do not fit): harness, H100, 8192 x 28672 / 28672
-//   x 8192, us, M = 1 63.0 / 62.5 -> 59.9 / 53.9, M = 16 66.5 / 69.9 -> 62.4 / 56.2, M = 32
-//   73.1 / 75.0 -> 65.6 / 59.2 (round 21; before, it lacked the room for the boxes).
+// - BN = 8 to 32, 3 stages of two (6 steps ahead); linear INT4 with its scale and
+//   zero-point boxes 2 stages of two at BN = 32, where 3 do not fit.
 // - BN = 64 and 128, 2 stages of two: the same 4 steps ahead as 4 stages of one, half the
-//   barrier waits, releases and copies. Harness, 8192 x 28672 / 28672 x 8192, us: H200, M =
-//   64, prepared nvfp4 68.9 / 61.1 -> 63.0 / 57.3, mxfp4 68.8 / 61.2 -> 64.8 / 58.0, int4
-//   71.7 / 64.0 -> 65.9 / 59.5; H100, M = 128 (one CTA per SM) prepared nvfp4 101.8 / 87.5
-//   -> 97.2 / 85.6, mxfp4 104.7 / 88.7 -> 98.8 / 86.1, int4 113.0 / 96.5 -> 101.8 / 89.0.
-//   Through JAX (H200, M = 64) linear nvfp4 73.6 / 70.4 -> 71.7 / 69.0 us, mxfp4 75.7 / 71.8
-//   -> 71.9 / 68.2; linear INT4 (harness, H100) 77.1 / 77.0 -> 74.9 / 67.9 (round 21: with
-//   its boxes, which fit since the shared memory lost its 1 KB alignment slack; without
-//   them, round 20, 16-25% slower). The linear layout at BN = 128 was 0-5% slower (H200).
-// - The prepared table path at BN = 32, 2 stages of two (instead of 4 of one): M = 32 nf4
-//   73.4 / 65.3 -> 69.4 / 62.0 us (H200); the linear layout's equal (round 21). At BN = 8,
-//   2 stages of two beside the wide table (3 of one before; it fits without the alignment
-//   slack): harness, H100, nf4 M = 1 prepared 60.6 / 55.4 -> 59.0 / 54.3 us, linear 69.6 /
-//   65.7 -> 66.0 / 60.7 (round 21). At BN = 16 and 64 the table leaves no room for them;
-//   with the 16-copy table instead at BN = 8 and 16 it was 4-8% slower (round 20).
+//   barrier waits, releases and copies (linear INT4's boxes fit since the shared memory
+//   lost its 1 KB alignment slack).
+// - The prepared table path at BN = 32, 2 stages of two instead of 4 of one; at BN = 8, 2
+//   stages of two beside the wide table. At BN = 16 and 64 the table leaves no room for
+//   them. (Each was faster than what it replaced: benchmarks/log/NOTES.md.)
 template <int FMT, int BITS, int BN, bool TILED = false>
 __host__ __device__ constexpr int wg_sub() {
   return (BITS && BN <= 64) || (!BITS && FMT != kINT4 && BN == 8) || (TILED && (BITS ? BN == 128 : BN == 32))
@@ -1085,19 +1060,13 @@ __host__ __device__ constexpr int wg_sub() {
              : 1;
 }
 // 4 stages where they fit, else 3: at BN = 256; at BN = 64 for the table path, whose 16
-// table copies (wg_copies) fit beside 3 stages at two CTAs per SM, not beside 4 (harness,
-// H100, M = 64: nf4 141 -> 94 us; benchmarks/log/NOTES.md round 7); and for stages of two steps
-// at BN = 16, 32. Beside the wide pair table (64 KB, wg_copies): 3, or 2 of two steps at
-// BN = 8. The bit path at BN = 8: 3 (6 steps ahead instead of 8: fewer bytes in flight
-// streamed faster). Harness, H100, M = 1,
-// 4 -> 3 stages, us, 8192 x 28672 / 28672 x 8192: prepared nvfp4 51.0 / 49.9 -> 49.4 / 48.3,
-// mxfp4 49.0 / 47.5 -> 49.0 / 46.1, int4 49.4 / 46.9 -> 49.3 / 46.0 (4096 x 14336 and 8192 x
-// 8192: -0.1 to -0.4); linear nvfp4 58.3 / 56.5 -> 55.9 / 54.8, mxfp4 56.3 / 53.8 -> 55.1 /
-// 51.8, int4 64.8 / 65.5 -> 62.8 / 61.3; 5 stages 2-5% slower, 2 stages 3-6% (benchmarks/
-// NOTES.md round 19). Stages of two steps at BN = 64 and 128 (wg_sub), the prepared table
-// path's at BN = 32 and linear INT4's at BN = 32: 2 (a third would not fit: two CTAs per SM
-// at BN <= 64, the SM at 128).
-// Other stage counts and steps per stage at BN = 8 to 64 were slower (round 20).
+// table copies (wg_copies) fit beside 3 stages at two CTAs per SM, not beside 4; and for
+// stages of two steps at BN = 16, 32. Beside the wide pair table (64 KB, wg_copies): 3, or
+// 2 of two steps at BN = 8. The bit path at BN = 8: 3 (6 steps ahead instead of 8: fewer
+// bytes in flight streamed faster; 5 and 2 stages were slower). Stages of two steps at
+// BN = 64 and 128 (wg_sub), the prepared table path's at BN = 32 and linear INT4's at
+// BN = 32: 2 (a third would not fit: two CTAs per SM at BN <= 64, the SM at 128). Other
+// stage counts and steps per stage at BN = 8 to 64 were slower (benchmarks/log/NOTES.md).
 template <int FMT, int BITS, int BN, bool TILED = false>
 __host__ __device__ constexpr int wg_stages() {
   if constexpr (!BITS && wg_copies<FMT, BN>() == kWideCopies) return BN == 8 ? 2 : 3;
@@ -1156,11 +1125,8 @@ __host__ __device__ constexpr bool wg_fits(int stage_bytes) {
 // zero points per step fit kWgTiledSide (jax_fp4.layout.tileable). A stage's codes,
 // scales and zero points are then 1-D bulk copies of contiguous bytes (cp.async.bulk) that
 // land in the stage as [step][row][bytes]: no tensor maps, no 64-byte row pieces 4-14 KB
-// apart in DRAM. Harness on the H100, linear -> prepared, 8192 x 28672 / 28672 x 8192:
-// nvfp4 M = 1 57.7 / 56.7 -> 50.1 / 50.3 us, mxfp4 55.8 / 54.0 -> 49.3 / 48.2, M = 64
-// -3-7% (benchmarks/log/NOTES.md round 15); int4 67 / 66 -> 60 / 54 us with stages of one
-// step, 50 / 47 with stages of two (wg_sub), nf4 79 / 71 -> 73 / 64 (round 16). The
-// kernel's TILED instance reads this layout.
+// apart in DRAM (the offline re-layout of Marlin-style W4A16 kernels). The kernel's TILED
+// instance reads this layout.
 template <int FMT>  // a row's scale bytes per 128-k step: 8 E4M3 (nvfp4), 4 E8M0 (mxfp4), or
 __host__ __device__ constexpr int wg_tile_scale_row() {  // 0: by block size and scale dtype (p.tile_srow)
   return FMT == kNVFP4 ? 8 : FMT == kMXFP4 ? 4 : 0;
@@ -1175,11 +1141,8 @@ __host__ __device__ constexpr int wg_tiled_side_bytes() {
 }
 // Whether the stages carry the scale boxes (see Pipeline below): BN <= 128 (BN = 256 is
 // bound by the tensor cores, and its three stages fill the SM), for nvfp4 only at BN <= 32
-// with stages of two steps (round 4 found its one 2-byte lane load per row and step faster
-// at M = 16 and equal at M = 64; in round 13 the lane loads, 2 steps ahead, held 11% of
-// the stall samples at M = 1, and the boxes with wg_sub took M = 16 2.5% faster through
-// JAX, M = 1 equal; mxfp4 and int4 gain 7-27% from the boxes, round 4),
-// and only where the boxes do not cost a CTA per SM (wg_fits).
+// with stages of two steps (elsewhere its one 2-byte lane load per row and step is as
+// fast), and only where the boxes do not cost a CTA per SM (wg_fits).
 template <int FMT, int BITS, int BN>
 __host__ __device__ constexpr bool wg_boxes() {
   return BN <= 128 && (FMT != kNVFP4 || BN <= 32) &&
@@ -1334,8 +1297,7 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
   // needs, is the declaration's (PTX ISA 5.4.5: `.align` gives the variable's address; the
   // compiler relies on it too and folds a run-time check of it away). The base is still
   // taken as the run-time address rounded up to 1024, the same address: with the symbol's
-  // address itself ptxas scheduled the prepared INT4 kernels at 8- and 16-row tiles 1.5-2%
-  // slower (harness, H100; benchmarks/log/NOTES.md round 21).
+  // address itself ptxas scheduled the prepared INT4 kernels at 8- and 16-row tiles worse.
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const uint32_t raw_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
   uint8_t* smem = smem_raw + (((raw_addr + 1023u) & ~1023u) - raw_addr);
@@ -1654,7 +1616,7 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
       }
       // MXFP4's second scale factor, where a lane's scale is > 2: one branch around its
       // multiplies, the decode itself the same in every case (as fast as a branch between
-      // two decodes, benchmarks/log/NOTES.md round 10)
+      // two decodes, and one decode to maintain)
       if (fixup) {
 #pragma unroll
         for (int i = 0; i < 2 * kWords; ++i)
@@ -1827,10 +1789,9 @@ cudaError_t launch_wgmma(cudaStream_t stream, const uint16_t* xp, const uint8_t*
                                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
   // A stage of kSub > 1 steps takes its codes as one 3-D box where K is whole steps: the
   // codes seen as (64 bytes, rows, 64-byte column blocks), box (64, 128, kSub), land as
-  // [step][row][64 bytes], the layout of kSub 2-D boxes, in one copy. With one scale box
-  // per stage instead of one per step, harness on the H100, M = 1 (tile 8) on 8192 x
-  // 28672 / 28672 x 8192: nvfp4 60.3 / 58.9 -> 58.2 / 56.8 us, mxfp4 56.7 / 55.1 -> 55.8 /
-  // 53.4 (benchmarks/log/NOTES.md round 14). Else (a partial last step, which the 3-D box
+  // [step][row][64 bytes], the layout of kSub 2-D boxes, in one copy, with one scale box
+  // per stage instead of one per step: fewer copies to issue and wait for. Else (a
+  // partial last step, which the 3-D box
   // would not zero-fill: its 64-byte blocks lie inside the row) one 2-D box of 128 rows x
   // 64 bytes per step.
   WParams q = p;
