@@ -23,7 +23,6 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import jax_fp4 as jf
 from jax_fp4 import primitives

@@ -4,7 +4,6 @@ jax-fp4, saved as compressed-tensors, decompressed by compressed-tensors in tran
 import json
 import shutil
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -2,10 +2,7 @@
 products and quotients go through integer emulation on XLA)."""
 from __future__ import annotations
 
-import math
-
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from .. import layout

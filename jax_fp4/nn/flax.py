@@ -198,11 +198,15 @@ class QuantizedLinear(nnx.Module):
                         preferred_element_type=self.preferred_element_type)
 
 
-def _get_parent(root, path):
+def _set_module(root, path, module):
+    """Put ``module`` at ``path`` (attribute names and list indices) inside ``root``."""
     node = root
-    for k in path:
+    for k in path[:-1]:
         node = node[k] if isinstance(k, int) else getattr(node, k)
-    return node
+    if isinstance(path[-1], int):
+        node[path[-1]] = module
+    else:
+        setattr(node, path[-1], module)
 
 
 def quantize_model(model: nnx.Module, format: str = "nvfp4", *, filter: P.Filter = None,
@@ -252,11 +256,7 @@ def quantize_model(model: nnx.Module, format: str = "nvfp4", *, filter: P.Filter
             m, f.name, block_size=block_size, tensor_scale=tensor_scale,
             scale_rounding=scale_rounding, scale_dtype=scale_dtype, act_format=act_format,
             act_mode=act_mode, name=name)
-        parent, key = _get_parent(model, path[:-1]), path[-1]
-        if isinstance(key, int):
-            parent[key] = q
-        else:
-            setattr(parent, key, q)
+        _set_module(model, path, q)
     if skipped:
         import warnings
 

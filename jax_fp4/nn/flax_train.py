@@ -31,7 +31,7 @@ from ..formats import get_format
 from ..qarray import QArray
 from . import lora as L
 from . import params as P
-from .flax import QuantizedLinear, _get_parent
+from .flax import QuantizedLinear, _set_module
 from .qat import QATConfig, convert_weight, qat_linear
 
 __all__ = ["LoRALinear", "add_lora", "merge_lora", "lora_param_count", "QATLinear",
@@ -108,16 +108,8 @@ def add_lora(model: nnx.Module, rank: int = 8, alpha: float = 16.0, dropout: flo
         raise ValueError("model: no layer selected for LoRA (filter matched no "
                          "QuantizedLinear / nnx.Linear)")
     for path, m in targets:
-        _set(model, path, LoRALinear(m, rank, alpha, dropout, rngs=rngs))
+        _set_module(model, path, LoRALinear(m, rank, alpha, dropout, rngs=rngs))
     return model
-
-
-def _set(model, path, new):
-    parent, key = _get_parent(model, path[:-1]), path[-1]
-    if isinstance(key, int):
-        parent[key] = new
-    else:
-        setattr(parent, key, new)
 
 
 def merge_lora(model: nnx.Module, requantize: Union[bool, str] = False, *,
@@ -152,7 +144,7 @@ def merge_lora(model: nnx.Module, requantize: Union[bool, str] = False, *,
             new.kernel.set_value(w)
             if bias is not None:
                 new.bias.set_value(bias)
-        _set(model, path, new)
+        _set_module(model, path, new)
     return model
 
 
@@ -246,7 +238,7 @@ def qat_model(model: nnx.Module, format: str = "nvfp4", *,
         if ok and m.in_features % bs == 0:
             targets.append((path, m, name))
     for path, m, name in targets:
-        _set(model, path, QATLinear.from_linear(m, format, name=name, **kwargs))
+        _set_module(model, path, QATLinear.from_linear(m, format, name=name, **kwargs))
     return model
 
 
@@ -256,7 +248,7 @@ def convert(model: nnx.Module, *, inplace: bool = False) -> nnx.Module:
         model = nnx.clone(model)
     targets = [(p, m) for p, m in nnx.iter_modules(model) if p and isinstance(m, QATLinear)]
     for path, m in targets:
-        _set(model, path, m.to_quantized())
+        _set_module(model, path, m.to_quantized())
     return model
 
 

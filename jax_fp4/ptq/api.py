@@ -232,7 +232,7 @@ def _ptq_nnx(model, spec, method, calibration, options, filter, strict, act_form
 
     from ..models.minilm import BertModel
     from ..nn import params as P
-    from ..nn.flax import QuantizedLinear, _get_parent
+    from ..nn.flax import QuantizedLinear, _set_module
 
     P.check_act_options(spec.name, act_format, act_mode, spec.block_size)
     if method == "awq" and "awq_groups" not in options and isinstance(model, BertModel):
@@ -266,11 +266,7 @@ def _ptq_nnx(model, spec, method, calibration, options, filter, strict, act_form
                             kernel=new[kp], bias=bias, format=spec.name,
                             block_size=spec.block_size, act_format=act_format,
                             act_mode=act_mode, name=name)
-        parent, key = _get_parent(model, path[:-1]), path[-1]
-        if isinstance(key, int):
-            parent[key] = q
-        else:
-            setattr(parent, key, q)
+        _set_module(model, path, q)
     if skipped:
         warnings.warn(f"quantize_params: left {len(skipped)} layer(s) unquantized: "
                       + ", ".join(skipped), stacklevel=3)

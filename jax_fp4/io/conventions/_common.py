@@ -10,7 +10,7 @@ import json
 import math
 import os
 import struct
-from typing import Dict, Optional
+from typing import Dict
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -162,6 +162,15 @@ def model_dtype(ckpt: Checkpoint, default="bfloat16"):
         return np.dtype(getattr(ml_dtypes, name, None) or name)
     except TypeError:
         raise CheckpointError(f"{ckpt.where}: config.json: unknown dtype {name!r}") from None
+
+
+def packed_fp4_weight(ckpt: Checkpoint, name):
+    """The uint8 tensor ``name`` of two E2M1 codes per byte, (out, in / 2), and its logical
+    (out, in); CheckpointError naming it if it is not 2-D."""
+    w = ckpt.take(name, np.uint8)
+    if w.ndim != 2:
+        ckpt.fail(name, f"expected a 2-D (out, in/2) uint8 tensor, got {w.shape}")
+    return w, w.shape[0], 2 * w.shape[1]
 
 
 # ----------------------------------------------------------------------------- bits

@@ -42,7 +42,7 @@ def load(ckpt) -> dict:
     out = {}
     for p in ckpt.prefixes(".qweight"):
         qw = ckpt.take(p + ".qweight", np.int32)
-        k, n = qw.shape[0], 8 * qw.shape[1]
+        n = 8 * qw.shape[1]
         s = ckpt.take(p + ".scales", np.float16)
         ckpt.check(p + ".scales", s, None, (s.shape[0], n))
         qz = ckpt.take(p + ".qzeros", np.int32, (s.shape[0], n // 8))

@@ -29,7 +29,7 @@ import ml_dtypes
 import numpy as np
 
 from ._common import (blocks_from_g_idx, host_parts, module_of, pack_int32,
-                      pack_nibbles, qarray, require, unpack_int32, unpack_nibbles)
+                      pack_nibbles, qarray, require, unpack_int32)
 
 NAME = "compressed-tensors"
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)

@@ -16,7 +16,8 @@ import ml_dtypes
 import numpy as np
 
 from ... import layout
-from ._common import host_parts, model_dtype, module_of, pack_nibbles, qarray, require
+from ._common import (host_parts, model_dtype, module_of, pack_nibbles, packed_fp4_weight,
+                      qarray, require)
 
 NAME = "lightx2v"
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -34,10 +35,7 @@ def detect(ckpt) -> bool:
 def load(ckpt) -> dict:
     out = {}
     for p in ckpt.prefixes(".weight_global_scale"):
-        w = ckpt.take(p + ".weight", np.uint8)
-        if w.ndim != 2:
-            ckpt.fail(p + ".weight", f"expected a 2-D (out, in/2) uint8 tensor, got {w.shape}")
-        rows, k = w.shape[0], 2 * w.shape[1]
+        w, rows, k = packed_fp4_weight(ckpt, p + ".weight")
         nb = k // 16
         s = ckpt.take(p + ".weight_scale", E4M3, (_ru(rows, 128), _ru(nb, 4)))
         gs = ckpt.take(p + ".weight_global_scale", np.float32)

@@ -20,7 +20,8 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from ._common import host_parts, model_dtype, module_of, pack_nibbles, qarray, require
+from ._common import (host_parts, model_dtype, module_of, pack_nibbles, packed_fp4_weight,
+                      qarray, require)
 
 NAME = "modelopt"
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -42,10 +43,7 @@ def load(ckpt) -> dict:
                               "(expected 'NVFP4')")
     out = {}
     for p in ckpt.prefixes(".weight_scale_2"):
-        w = ckpt.take(p + ".weight", np.uint8)
-        if w.ndim != 2:
-            ckpt.fail(p + ".weight", f"expected a 2-D (out, in/2) uint8 tensor, got {w.shape}")
-        rows, k = w.shape[0], 2 * w.shape[1]
+        w, rows, k = packed_fp4_weight(ckpt, p + ".weight")
         s = ckpt.take(p + ".weight_scale", E4M3, (rows, k // 16))
         ws2 = ckpt.take(p + ".weight_scale_2", np.float32)
         if ws2.size != 1:
