@@ -3,7 +3,7 @@
 # "one script that builds, checks and times in one call"). Logs go to $OUT (or ./out).
 #
 #   bash benchmarks/device_check.sh [build] [test] [test-matmul] [sanitize] [ncu] [bench-quant]
-#       [bench-matmul] [bench-model]
+#       [bench-matmul] [bench-model] [overhead]
 #
 # With no arguments: build test sanitize bench-matmul. Each step has its own time limit and
 # a failing step does not stop the next; a short summary is printed last.
@@ -28,7 +28,7 @@ for s in $steps; do
     test-gpu)  # every GPU test file, in 4 processes sharing the GPU
       for i in 0 1 2 3; do
         XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_FP4_TEST_SHARD=$i/4 timeout 420 python3 -m pytest -q -ra \
-          tests/test_cuda_kernels.py tests/test_cuda_matmul.py tests/test_matmul_paths.py \
+          ${GPU_TESTS:-tests/test_cuda_kernels.py tests/test_cuda_matmul.py tests/test_matmul_paths.py} \
           ${GPU_TESTS_EXTRA:-} > "$OUT/test_gpu_$i.log" 2>&1 &
       done
       wait; say "test-gpu"; for i in 0 1 2 3; do tail -1 "$OUT/test_gpu_$i.log"; done ;;
@@ -43,6 +43,12 @@ for s in $steps; do
            --ms 1 4 16 64 256 1024 --rule-ms 256 --scaled 4096 8192 --results "$OUT/RESULTS_matmul.md" ;;
     bench-model) run bench_model 560 python3 benchmarks/bench_model.py --ms ${MODEL_MS:-1 16 64} \
            --results "$OUT/RESULTS_model.md" ;;
+    overhead)  # a step's time outside the kernels, with XLA's command buffers on (default) and off
+      for flags in "" "--xla_gpu_enable_command_buffer=" "--xla_gpu_graph_min_graph_size=1"; do
+        XLA_FLAGS="$flags" timeout 200 python3 benchmarks/step_overhead.py --m ${OVERHEAD_M:-1} \
+          --formats ${OVERHEAD_FORMATS:-nvfp4} >> "$OUT/overhead.log" 2>&1
+      done
+      say "overhead"; grep -E "^(XLA_FLAGS|bf16|nvfp4|mxfp4|int4|nf4|bnb_fp4)" "$OUT/overhead.log" | cut -c1-330 ;;
     *) say "unknown step $s" ;;
   esac
 done
