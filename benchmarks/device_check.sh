@@ -48,7 +48,7 @@ for s in $steps; do
         XLA_FLAGS="$flags" timeout 200 python3 benchmarks/step_overhead.py --m ${OVERHEAD_M:-1} \
           --formats ${OVERHEAD_FORMATS:-nvfp4} >> "$OUT/overhead.log" 2>&1
       done
-      say "overhead"; grep -E "^(XLA_FLAGS|bf16|nvfp4|mxfp4|int4|nf4|bnb_fp4)" "$OUT/overhead.log" | cut -c1-330 ;;
+      say "overhead"; grep -E "^(XLA_FLAGS|bf16|nvfp4|mxfp4|int4|nf4|bnb_fp4|#   host)" "$OUT/overhead.log" | cut -c1-200 ;;
     *) say "unknown step $s" ;;
   esac
 done
