@@ -282,6 +282,86 @@ def test_scaled_matmul_column_row_batch(fmts, case):
     _close(f(*args), f(*on_cpu((a, b, bias))))
 
 
+# Row-parallel with the output asked split (Megatron sequence parallelism: rows over the
+# tensor-parallel axis): the partial sums are reduce-scattered, not all-reduced and sliced.
+# (mesh, x spec, weight (K, N) spec, output spec, expected collectives besides the amax)
+def _no_layouts(found):
+    """Collectives with their shapes' layouts ({1,0}) dropped: XLA picks the layout."""
+    return [(kind, re.sub(r"\{[^}]*\}", "", shape)) for kind, shape in found]
+
+
+SCATTER_CASES = {
+    "rows": (MESH, P(None, "model"), P("model", None), P("model", None),
+             [("reduce-scatter", "f32[4,128]")]),
+    "columns": (MESH, P(None, "model"), P("model", None), P(None, "model"),
+                [("reduce-scatter", "f32[16,32]")]),
+    "rows-over-2-axes": (MESH, P(None, ("data", "model")), P(("data", "model"), None),
+                         P(("data", "model"), None), [("reduce-scatter", "f32[2,128]")]),
+    # K over both axes, rows asked over "model" only: scatter over it, sum over "data"
+    "rows-over-1-of-2-axes": (MESH, P(None, ("data", "model")), P(("data", "model"), None),
+                              P("model", None), [("reduce-scatter", "f32[4,128]"),
+                                                 ("all-reduce", "f32[4,128]")]),
+    "rows-1d": (MESH_1D, P(None, "model"), P("model", None), P("model", None),
+                [("reduce-scatter", "f32[2,128]")]),
+}
+
+
+@pytest.mark.parametrize("case", list(SCATTER_CASES))
+@pytest.mark.parametrize("fmt,block_size,ts", [("nvfp4", None, "auto"), ("int4", 64, None)],
+                         ids=["nvfp4-auto", "int4-64"])
+def test_w4a16_row_parallel_reduce_scatters_a_split_output(fmt, block_size, ts, case):
+    mesh, xspec, wspec, ospec, want = SCATTER_CASES[case]
+    x, w = _x((16, 512), 1), _x((512, 128), 2)
+    q = jf.quantize(w, fmt, axis=0, block_size=block_size, tensor_scale=ts)
+    out = NamedSharding(mesh, ospec)
+    f = jax.jit(lambda x, q: jax.lax.with_sharding_constraint(jf.matmul(x, q), out))
+    args = (put(x, xspec, mesh), put(q, qarray_partition_specs(wspec, q), mesh))
+    found = _no_layouts(c for c in collectives(f, *args) if c != ("all-reduce", "u32[]"))
+    assert sorted(found) == sorted(want), found
+    y = f(*args)
+    assert y.sharding.is_equivalent_to(out, 2), y.sharding
+    _close(y, jax.jit(jf.matmul)(*on_cpu((x, q))))
+
+
+def test_reduce_scatter_via_out_sharding_bf16_and_explicit_axes():
+    x = _x((16, 512), 1).astype(jnp.bfloat16)
+    q = jf.quantize(_x((512, 128), 2).astype(jnp.bfloat16), "mxfp4", axis=0)
+    dims = (((1,), (0,)), ((), ()))
+    want = np.asarray(jf.matmul(*on_cpu((x, q))), np.float64)
+    explicit = Mesh(MESH.devices, MESH.axis_names, axis_types=(AxisType.Explicit,) * 2)
+    for mesh in (MESH, explicit):
+        with jax.set_mesh(mesh):
+            f = jax.jit(lambda x, q: jf.dot_general(x, q, dims, out_sharding=P("model", None)))
+            args = (put(x, P(None, "model"), mesh),
+                    put(q, qarray_partition_specs(P("model", None), q), mesh))
+            assert _no_layouts(collectives(f, *args)) == [("reduce-scatter", "f32[4,128]")]
+            y = f(*args)
+        assert y.dtype == jnp.bfloat16 and y.sharding.spec[0] == "model"
+        np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=1e-2,
+                                   atol=1e-2 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("ospec,want", [(P("model", None), "f32[8,64]"),
+                                        (P(None, "model"), "f32[32,16]")],
+                         ids=["rows", "columns"])
+def test_scaled_matmul_row_parallel_reduce_scatters(ospec, want):
+    a = jf.quantize(_x((32, 512), 1), "nvfp4", axis=1, tensor_scale="auto")
+    b = jf.quantize(_x((64, 512), 2), "nvfp4", axis=1, tensor_scale="auto")
+    bias = _x((64,), 3)
+    out = NamedSharding(MESH, ospec)
+    f = jax.jit(lambda a, b, bias: jax.lax.with_sharding_constraint(
+        jf.scaled_matmul(a, b, alpha=0.5, bias=bias, out_dtype=jnp.float32), out))
+    args = (put(a, qarray_partition_specs(P(None, "model"), a)),
+            put(b, qarray_partition_specs(P(None, "model"), b)), put(bias, P()))
+    found = _no_layouts(c for c in collectives(f, *args) if c != ("all-reduce", "u32[]"))
+    assert found == [("reduce-scatter", want)], found
+    y = f(*args)
+    assert y.sharding.is_equivalent_to(out, 2), y.sharding
+    ref = jax.jit(lambda a, b, bias: jf.scaled_matmul(a, b, alpha=0.5, bias=bias,
+                                                      out_dtype=jnp.float32))
+    _close(y, ref(*on_cpu((a, b, bias))))  # the bias added once, to each device's slice
+
+
 def test_gspmd_partitioner_takes_the_same_rules():
     # infer_sharding_from_operands serves XLA's GSPMD partitioner (Shardy is the default)
     x, w = _x((16, 512), 1), _x((512, 128), 2)
