@@ -261,14 +261,22 @@ def _nbytes(shapes):
 
 
 def collectives(fn, args):
-    """{kind: (count, bytes of their results per device)} of the compiled step's collectives
-    (async ones counted at their start, sized at their done)."""
+    """{kind: (count, bytes of their results per device)} of the compiled step's collectives.
+    An asynchronous one prints as ``X-start`` ... ``X-done`` (XLA's async syntax) or as an
+    ``async-start`` of a computation holding ``X``: counted once either way, sized at
+    ``X`` or at ``X-done``."""
     text = fn.lower(*args).compile().as_text()
-    out = {}
+    seen = {}  # kind: [plain count, plain bytes, starts, done bytes]
     for shapes, kind, phase in _COLLECTIVE.findall(text):
-        n, nbytes = out.get(kind, (0, 0))
-        out[kind] = (n + (phase != "-done"), nbytes + (_nbytes(shapes) if phase != "-start" else 0))
-    return out
+        c = seen.setdefault(kind, [0, 0, 0, 0])
+        if not phase:
+            c[0] += 1
+            c[1] += _nbytes(shapes)
+        elif phase == "-start":
+            c[2] += 1
+        else:
+            c[3] += _nbytes(shapes)
+    return {k: (max(c[0], c[2]), c[1] if c[0] else c[3]) for k, c in seen.items()}
 
 
 def coll_str(coll):
