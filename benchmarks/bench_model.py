@@ -419,7 +419,8 @@ def main(argv=None):
     cfg, rows = run(args)
     dev = jax.devices()[0]
     head = (f"### bench_model.py, {datetime.date.today()}, {getattr(dev, 'device_kind', dev.platform)}"
-            f" x{max(n for _, n in layouts(args))}, jax {jax.__version__}\n\n`python3 benchmarks/bench_model.py "
+            f" x{max(n for _, n in layouts(args))}, jax {jax.__version__}"
+            f"\n\n`python3 benchmarks/bench_model.py "
             + " ".join(argv if argv is not None else sys.argv[1:]) + "`\n\n")
     text = head + table(cfg, rows)
     print(text)
