@@ -4,7 +4,8 @@ Each test runs on two CPU devices (the virtual ones of tests/conftest.py) and, m
 ``gpu``, on two GPUs, where each shard runs the CUDA kernels: column-parallel,
 row-parallel (all-reduce, and reduce-scatter when the output is asked split) and
 batch-sharded W4A16 matmuls, a row-parallel scaled_matmul, batch-sharded quantize /
-dequantize / fake_quantize and the NVFP4 ``tensor_scale="auto"`` amax. Each result is
+dequantize / fake_quantize, the NVFP4 ``tensor_scale="auto"`` amax, and an FSDP layer
+(the 4-bit weight gathered as its packed codes). Each result is
 compared with the same op on one device of the platform -- bit for bit for quantize /
 dequantize / fake_quantize, and for the matmuls both results are checked against a
 float64 sum within the W4A16 contract (docs/spec.md, section 5), since a shard may take
@@ -211,3 +212,26 @@ def test_nvfp4_auto_tensor_scale_all_reduces_one_scalar(mesh):
     assert collectives(f, xs) == {"all-reduce": 1}
     assert_only_u32_all_reduces(f, xs)
     assert_bit_equal(f(xs), f(on_one(jnp.asarray(x), mesh)))
+
+
+def test_fsdp_gathers_the_packed_weight(mesh):
+    # weights stored sharded, gathered at use as their packed leaves; the batch stays split
+    from jax_fp4.sharding import fsdp_specs, gather_weights, named_shardings
+
+    fsdp = Mesh(mesh.devices, ("fsdp",), axis_types=(AxisType.Auto,))
+    x = _x((16, 1024), 1, jnp.bfloat16)
+    q = jf.quantize(_x((1024, 512), 2, jnp.bfloat16), "nvfp4", axis=0, tensor_scale="auto")
+    params = {"up": {"kernel": q}}
+    placed = jax.device_put(params, named_shardings(fsdp, fsdp_specs(params, fsdp)))
+    assert placed["up"]["kernel"].data.sharding.spec == P("fsdp", None)
+    f = jax.jit(lambda p, x: jf.matmul(x, gather_weights(p, fsdp)["up"]["kernel"]))
+    args = (placed, put(x, P("fsdp", None), fsdp))
+    text = f.lower(*args).compile().as_text()
+    assert set(collectives(f, *args)) == {"all-gather"}
+    gathered = re.findall(r"= (\([^)]*\)|\S+) all-gather(?:-start|-done)?\(", text)
+    # the codes: u8, two per byte (a -start's result pairs the shard with the gathered)
+    assert any("u8[512,512]" in g for g in gathered), gathered
+    assert not re.search(r"(bf16|f32)\[(512,1024|1024,512)\]", " ".join(gathered)), gathered
+    y = f(*args)
+    assert y.sharding.spec[0] == "fsdp"
+    assert_w4a16(y, x, q, "fsdp")
