@@ -16,12 +16,20 @@ trace (bench_quant.device_time) beside it, and tokens/s. Prints a markdown table
 appends it, with the command, GPU and date, to RESULTS.md.
 
   python benchmarks/bench_model.py [--formats nvfp4 mxfp4 nf4 bnb_fp4 int4]
-      [--ms 1 4 16 64 256 1024] [--layers 8] [--iters 30] [--tp 2] [--no-kernel-sum]
-      [--tiny]   (a small model for a CPU smoke run)
+      [--ms 1 4 16 64 256 1024] [--layers 8] [--iters 30] [--tp 1 2] [--fsdp 2]
+      [--no-kernel-sum] [--tiny]   (a small model for a CPU smoke run)
 
 With `--tp N` the step runs Megatron-style tensor parallel over N devices (q/k/v/gate/up
 column-parallel, o/down row-parallel, the KV cache sharded by head), the QArray leaves
-sharded by jax_fp4.sharding's specs; the compiled HLO's collectives are listed.
+sharded by jax_fp4.sharding's specs. With `--fsdp N` the weights are stored sharded over
+N devices (jax_fp4.sharding.fsdp_specs) and all-gathered inside the step before use
+(gather_weights: a QArray as its packed codes and scales), the sequences of the batch
+(and their KV cache) split over the devices where B divides (data parallel; else every
+device runs the whole batch). Each of `--tp N [N ...]` and `--fsdp N [N ...]` is a
+layout measured in the same run (`--tp 1 2`: one device, then two); every layout gets a
+table and the compiled HLO's collectives per format, and with `--tp 1` among them a table
+of each layout's speed-up over one device, per format and M. The kernel time of a
+multi-device step is the mean over its devices.
 """
 from __future__ import annotations
 
@@ -172,6 +180,21 @@ def quantized(params, fmt):
     return jax.block_until_ready(q)
 
 
+def fsdp_shardings(params, cache, x, mesh):
+    """FSDP placements: each kernel sharded at rest along its output features over "fsdp"
+    (a QArray as its packed leaves); the batch of sequences and its KV cache split over
+    "fsdp" where B divides, else replicated."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from jax_fp4 import sharding as jsh
+
+    params = jax.device_put(params, jsh.named_shardings(mesh, jsh.fsdp_specs(params, mesh)))
+    batch = "fsdp" if x.shape[0] % mesh.shape["fsdp"] == 0 else None
+    cache = jax.device_put(cache, NamedSharding(mesh, P(batch)))
+    x = jax.device_put(x, NamedSharding(mesh, P(batch)))
+    return params, cache, x
+
+
 def tp_shardings(params, cache, mesh):
     """Megatron-style placements: column-parallel kernels split on out, row-parallel on
     in, the KV cache by head; QArray leaves follow their float weight's spec."""
@@ -224,11 +247,54 @@ def kernel_sum(fn, args):
         return float("nan")
 
 
+_COLLECTIVE = re.compile(r"= (\([^)]*\)|\S+) (all-reduce|all-gather|reduce-scatter|all-to-all|"
+                         r"collective-permute)(-start|-done)?\(")
+
+
+def _nbytes(shapes):
+    """Bytes of the arrays in an HLO result type, e.g. "(u8[64,256]{1,0}, f32[])"."""
+    total = 0
+    for dt, dims in re.findall(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]", shapes):
+        bits = 1 if dt == "pred" else int(re.match(r"[a-z]+(\d+)", dt).group(1))
+        total += bits * int(np.prod([int(d) for d in dims.split(",") if d])) // 8
+    return total
+
+
 def collectives(fn, args):
+    """{kind: (count, bytes of their results per device)} of the compiled step's collectives.
+    An asynchronous one prints as ``X-start`` ... ``X-done`` (XLA's async syntax) or as an
+    ``async-start`` of a computation holding ``X``: counted once either way, sized at
+    ``X`` or at ``X-done``."""
     text = fn.lower(*args).compile().as_text()
-    found = re.findall(r"\b(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
-                       r"(?:-start)?\(", text)
-    return {c: found.count(c) for c in sorted(set(found))}
+    seen = {}  # kind: [plain count, plain bytes, starts, done bytes]
+    for shapes, kind, phase in _COLLECTIVE.findall(text):
+        c = seen.setdefault(kind, [0, 0, 0, 0])
+        if not phase:
+            c[0] += 1
+            c[1] += _nbytes(shapes)
+        elif phase == "-start":
+            c[2] += 1
+        else:
+            c[3] += _nbytes(shapes)
+    return {k: (max(c[0], c[2]), c[1] if c[0] else c[3]) for k, c in seen.items()}
+
+
+def coll_str(coll):
+    return ", ".join(f"{n} {kind} ({nbytes / 2**20:.2f} MiB)"
+                     for kind, (n, nbytes) in sorted(coll.items()))
+
+
+def layouts(args):
+    """[(kind, devices)]: "tp" for tensor parallel (1: one device), "fsdp"."""
+    out = [("tp", n) for n in args.tp] + [("fsdp", n) for n in args.fsdp]
+    for kind, n in out:
+        if n < 1 or n > len(jax.devices()):
+            raise SystemExit(f"--{kind} {n}: {len(jax.devices())} devices")
+    return out
+
+
+def layout_name(kind, n):
+    return "1 device" if (kind, n) == ("tp", 1) else f"{kind.upper()}={n}"
 
 
 def run(args):
@@ -237,66 +303,99 @@ def run(args):
                               context=args.context or cfg.context)
     key = jax.random.key(0)
     params = init_params(cfg, key)
-    mesh = None
-    if args.tp > 1:
-        devs = jax.devices()[:args.tp]
-        if len(devs) < args.tp:
-            raise SystemExit(f"--tp {args.tp}: only {len(devs)} devices")
-        mesh = jax.sharding.Mesh(np.array(devs), ("tp",))
     rows = []
-    fn = jax.jit(lambda p, c, x: step(cfg, p, c, x))
     models = {}
     for fmt in ["bf16", *args.formats]:
         models[fmt] = quantized(params, fmt) if fmt != "bf16" else params
-    for m in args.ms:
-        b, t = cfg.batch(m)
-        cache = init_cache(cfg, b, jax.random.fold_in(key, 1000 + m))
-        x = jax.random.normal(jax.random.fold_in(key, 2000 + m), (b, t, cfg.hidden), jnp.bfloat16)
-        base = None
-        for fmt in ["bf16", *args.formats]:
-            p, c = models[fmt], cache
-            if mesh is not None:
-                p, c = tp_shardings(p, cache, mesh)
-            fargs = (p, c, x)
-            wall, piped = wall_times(fn, fargs, args.iters)
-            ksum = (float("nan") if args.no_kernel_sum or jax.default_backend() == "cpu"
-                    else kernel_sum(fn, fargs))
-            coll = collectives(fn, fargs) if mesh is not None else {}
-            if fmt == "bf16":
-                base = (wall, ksum, piped)
-            rows.append(dict(fmt=fmt, m=m, wall=wall, ksum=ksum, ratio=base[0] / wall,
-                             kratio=base[1] / ksum, piped=piped, pratio=base[2] / piped,
-                             tps=m / wall, coll=coll))
-            print(f"# M={m:5d} {fmt:8s} wall {wall * 1e3:8.3f} ms  x{base[0] / wall:5.2f}  "
-                  f"kernels {ksum * 1e3:8.3f} ms  x{base[1] / ksum:5.2f}  "
-                  f"back-to-back {piped * 1e3:8.3f} ms  x{base[2] / piped:5.2f}"
-                  + (f"  {coll}" if coll else ""), file=sys.stderr, flush=True)
-        del cache, x
+    for kind, n in layouts(args):
+        mesh = (None if n == 1 else
+                jax.sharding.Mesh(np.array(jax.devices()[:n]), (kind,)))
+        if kind == "fsdp":
+            from jax_fp4.sharding import gather_weights
+
+            fn = jax.jit(lambda p, c, x, mesh=mesh: step(cfg, gather_weights(p, mesh), c, x))
+        else:
+            fn = jax.jit(lambda p, c, x: step(cfg, p, c, x))
+        for m in args.ms:
+            b, t = cfg.batch(m)
+            cache = init_cache(cfg, b, jax.random.fold_in(key, 1000 + m))
+            x = jax.random.normal(jax.random.fold_in(key, 2000 + m), (b, t, cfg.hidden),
+                                  jnp.bfloat16)
+            base = None
+            for fmt in ["bf16", *args.formats]:
+                p, c, xs = models[fmt], cache, x
+                if kind == "tp" and mesh is not None:
+                    p, c = tp_shardings(p, cache, mesh)
+                elif kind == "fsdp" and mesh is not None:
+                    p, c, xs = fsdp_shardings(p, cache, x, mesh)
+                fargs = (p, c, xs)
+                wall, piped = wall_times(fn, fargs, args.iters)
+                ksum = (float("nan") if args.no_kernel_sum or jax.default_backend() == "cpu"
+                        else kernel_sum(fn, fargs) / n)  # the trace has every device's
+                coll = collectives(fn, fargs) if mesh is not None else {}
+                if fmt == "bf16":
+                    base = (wall, ksum, piped)
+                rows.append(dict(layout=(kind, n), fmt=fmt, m=m, wall=wall, ksum=ksum,
+                                 ratio=base[0] / wall, kratio=base[1] / ksum, piped=piped,
+                                 pratio=base[2] / piped, tps=m / wall, coll=coll))
+                print(f"# {layout_name(kind, n):8s} M={m:5d} {fmt:8s} wall "
+                      f"{wall * 1e3:8.3f} ms  x{base[0] / wall:5.2f}  "
+                      f"kernels {ksum * 1e3:8.3f} ms  x{base[1] / ksum:5.2f}  "
+                      f"back-to-back {piped * 1e3:8.3f} ms  x{base[2] / piped:5.2f}"
+                      + (f"  {coll_str(coll)}" if coll else ""), file=sys.stderr, flush=True)
+                del p, c, xs, fargs
+            del cache, x
     return cfg, rows
 
 
-def table(cfg, rows, tp):
+def table(cfg, rows):
+    """Per layout: the ratio table to bf16; with one device among the layouts, each other
+    layout's speed-up over it."""
     fmts = list(dict.fromkeys(r["fmt"] for r in rows))
     ms = list(dict.fromkeys(r["m"] for r in rows))
-    by = {(r["fmt"], r["m"]): r for r in rows}
-    out = ["| M | " + " | ".join(fmts) + " |", "|---:|" + "---|" * len(fmts)]
-    for m in ms:
-        cells = []
-        for f in fmts:
-            r = by[(f, m)]
-            if f == "bf16":
-                cells.append(f"{r['wall'] * 1e3:.3f} ms ({r['ksum'] * 1e3:.3f}; "
-                             f"{r['piped'] * 1e3:.3f}), {r['tps']:.0f} tok/s")
-            else:
-                cells.append(f"**{r['ratio']:.2f}x** ({r['kratio']:.2f}x; {r['pratio']:.2f}x)")
-        out.append(f"| {m} | " + " | ".join(cells) + " |")
-    coll = {f"{r['fmt']}": r["coll"] for r in rows if r["coll"] and r["m"] == ms[0]}
-    note = (f"Wall-time ratio to bf16 per step, each step blocked on (in brackets: the "
-            f"kernel-time ratio from the profiler; the ratio of steps dispatched back to "
-            f"back); bf16 column: wall ms (kernel ms; back-to-back ms), tokens/s. "
-            f"{cfg.layers} of 32 layers, context {cfg.context}"
-            + (f", tensor parallel over {tp} devices; collectives per step: {coll}" if tp > 1 else ""))
-    return "\n".join(out) + "\n\n" + note + "\n"
+    by = {(r["layout"], r["fmt"], r["m"]): r for r in rows}
+    head = ["| M | " + " | ".join(fmts) + " |", "|---:|" + "---|" * len(fmts)]
+    parts = []
+    for lay in dict.fromkeys(r["layout"] for r in rows):
+        out = list(head)
+        for m in ms:
+            cells = []
+            for f in fmts:
+                r = by[(lay, f, m)]
+                if f == "bf16":
+                    cells.append(f"{r['wall'] * 1e3:.3f} ms ({r['ksum'] * 1e3:.3f}; "
+                                 f"{r['piped'] * 1e3:.3f}), {r['tps']:.0f} tok/s")
+                else:
+                    cells.append(f"**{r['ratio']:.2f}x** ({r['kratio']:.2f}x; "
+                                 f"{r['pratio']:.2f}x)")
+            out.append(f"| {m} | " + " | ".join(cells) + " |")
+        coll = "; ".join(f"{f}: {coll_str(by[(lay, f, ms[0])]['coll'])}" for f in fmts)
+        kind, n = lay
+        where = ("one device" if n == 1 else
+                 f"tensor parallel (Megatron) over {n} devices" if kind == "tp" else
+                 f"FSDP over {n} devices (weights gathered at use, batch split where B "
+                 f"divides)")
+        parts.append(f"**{layout_name(*lay)}**: {where}"
+                     + (f". Collectives per step at M = {ms[0]} (count, result MiB per "
+                        f"device): {coll}" if n > 1 else "") + "\n\n"
+                     + "\n".join(out))
+    one = ("tp", 1)
+    others = [lay for lay in dict.fromkeys(r["layout"] for r in rows) if lay != one]
+    if any(r["layout"] == one for r in rows) and others:
+        out = ["| layout | M | " + " | ".join(fmts) + " |",
+               "|---|---:|" + "---|" * len(fmts)]
+        for lay in others:
+            for m in ms:
+                out.append(f"| {layout_name(*lay)} | {m} | " + " | ".join(
+                    f"{by[(one, f, m)]['wall'] / by[(lay, f, m)]['wall']:.2f}x"
+                    for f in fmts) + " |")
+        parts.append("**Speed-up over one device** (wall time per step, same format and "
+                     "M)\n\n" + "\n".join(out))
+    note = (f"Wall-time ratio to bf16 per step in the same layout, each step blocked on "
+            f"(in brackets: the kernel-time ratio from the profiler, per device; the ratio "
+            f"of steps dispatched back to back); bf16 column: wall ms (kernel ms; "
+            f"back-to-back ms), tokens/s. {cfg.layers} of 32 layers, context {cfg.context}.")
+    return "\n\n".join(parts) + "\n\n" + note + "\n"
 
 
 def main(argv=None):
@@ -306,7 +405,10 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default 8 of 32)")
     ap.add_argument("--context", type=int, default=None, help="KV-cache tokens (default 2048)")
     ap.add_argument("--iters", type=int, default=30)
-    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--tp", nargs="+", type=int, default=[1],
+                    help="tensor-parallel degrees to measure, e.g. 1 2 (1: one device)")
+    ap.add_argument("--fsdp", nargs="+", type=int, default=[],
+                    help="FSDP degrees to measure (weights sharded at rest, gathered at use)")
     ap.add_argument("--tiny", action="store_true", help="a small model (CPU smoke run)")
     ap.add_argument("--no-kernel-sum", action="store_true")
     ap.add_argument("--results", default=os.path.join(os.path.dirname(__file__), "RESULTS.md"))
@@ -317,9 +419,10 @@ def main(argv=None):
     cfg, rows = run(args)
     dev = jax.devices()[0]
     head = (f"### bench_model.py, {datetime.date.today()}, {getattr(dev, 'device_kind', dev.platform)}"
-            f" x{max(args.tp, 1)}, jax {jax.__version__}\n\n`python3 benchmarks/bench_model.py "
+            f" x{max(n for _, n in layouts(args))}, jax {jax.__version__}"
+            f"\n\n`python3 benchmarks/bench_model.py "
             + " ".join(argv if argv is not None else sys.argv[1:]) + "`\n\n")
-    text = head + table(cfg, rows, args.tp)
+    text = head + table(cfg, rows)
     print(text)
     if not args.no_append:
         with open(args.results, "a") as fh:

@@ -44,9 +44,13 @@ Rules that follow (the canonical view, rows x K, blocked axis last):
   * wmatmul (W4A16, y = x @ W^T, x (M, K), W (N, K)): M and N shard freely (N at whole
     128-row tiles for a prepared weight; a per-tensor scale given once, (1,), is
     replicated); K sharded on x and W alike: float32 partial sums per device, one
-    ``psum`` of the (M_local, N_local) output, then the cast.
+    ``psum`` of the (M_local, N_local) output, then the cast. Where the output is asked
+    split (its propagated sharding: rows over the tensor-parallel axis in Megatron's
+    sequence parallelism, or columns) over mesh axes that K was sharded on, a
+    ``psum_scatter`` on that dimension instead: each device receives only its slice of
+    the sum (:func:`_scatter`).
   * scaled_matmul (D = alpha A B^T + bias): as wmatmul; with K sharded the bias is added
-    once, after the ``psum``.
+    once, after the ``psum`` (or ``psum_scatter``: then each device's slice of it).
 A sharding outside these rules (K not at whole blocks, M and N on the same mesh axis, a
 sharded dimension that does not divide) is dropped for that factor: the partitioner
 reshards the operand first, which is correct, but communicates.
@@ -202,9 +206,20 @@ def _amax_bits(x):
     return jnp.max(reference.to_f32_bits(x) & jnp.uint32(0x7FFFFFFF), initial=jnp.uint32(0))
 
 
-def _body(name, local, params, args, axes):
+def _combine(y, axes, scatter):
+    """The sum of the float32 partials ``y`` over mesh ``axes``: a ``psum_scatter`` on each
+    output dimension of ``scatter`` ({dim: axes}, the result asked split there) -- each
+    device receives only its slice of the sum -- and a ``psum`` over the other axes."""
+    for d, sa in scatter.items():
+        y = lax.psum_scatter(y, sa, scatter_dimension=d, tiled=True)
+    rest = tuple(a for a in axes if not any(a in sa for sa in scatter.values()))
+    return lax.psum(y, rest) if rest else y
+
+
+def _body(name, local, params, args, axes, scatter):
     """The per-shard computation: ``local`` on this device's blocks, and where ``axes``
-    (mesh axes of the reduced factors) is not empty, the op's combination of partials."""
+    (mesh axes of the reduced factors) is not empty, the op's combination of partials
+    (:func:`_combine`; ``scatter``: output dimensions reduce-scattered)."""
     if not axes:
         return local.bind(*args, **params)
     if name == "jax_fp4_auto_tensor_scale":
@@ -213,12 +228,15 @@ def _body(name, local, params, args, axes):
     out_dtype = params["out_dtype"]
     if name == "jax_fp4_weight_matmul":
         y = local.bind(*args, **dict(params, out_dtype=np.dtype(np.float32)))
-        return lax.psum(y, axes).astype(out_dtype)
+        return _combine(y, axes, scatter).astype(out_dtype)
     if name == "jax_fp4_scaled_matmul":
+        # the bias is added once, to the sum; with N scattered it arrives as this
+        # device's slice (:func:`_partition`)
         *ops, bias = args
-        y = local.bind(*ops, jnp.zeros_like(bias),
+        n = ops[3].shape[0]
+        y = local.bind(*ops, jnp.zeros((n,), bias.dtype),
                        **dict(params, out_dtype=np.dtype(np.float32)))
-        return (lax.psum(y, axes) + bias[None, :]).astype(out_dtype)
+        return (_combine(y, axes, scatter) + bias[None, :]).astype(out_dtype)
     raise AssertionError(f"{name}: no reduced factors")
 
 
@@ -301,15 +319,44 @@ def _infer(name, params_key, mesh, arg_shapes, result_shape):
     return _pack(result_shape, out_sh)
 
 
+def _scatter(layout, chosen, mesh, result_shape, axes):
+    """{output dimension: mesh axes} where the result of a reduction over ``axes`` is asked
+    split (its propagated sharding, e.g. rows over the tensor-parallel axis in Megatron's
+    sequence parallelism) on axes among ``axes`` that no factor of the call uses: there the
+    partial sums are reduce-scattered instead of all-reduced and then sliced."""
+    spec = getattr(getattr(result_shape, "sharding", None), "spec", None)
+    if not axes or spec is None or isinstance(result_shape, (list, tuple)):
+        return {}
+    free, out = set(axes), {}
+    for d, entry in enumerate(layout.outs[0]):
+        if entry is None or d >= len(spec) or entry[0] in chosen:
+            continue
+        want = _spec_axes(spec[d])
+        if (want and set(want) <= free
+                and result_shape.shape[d] % (math.prod(mesh.shape[a] for a in want) *
+                                             entry[1]) == 0):
+            out[d] = want
+            free -= set(want)
+    return out
+
+
 def _partition(name, local, params_key, mesh, arg_shapes, result_shape):
     layout, chosen, arg_sh, out_sh = _shardings(name, params_key, mesh, arg_shapes,
                                                 result_shape)
     axes = tuple(a for f in sorted(layout.reduce) for a in chosen.get(f, ()))
     k_parts = math.prod(mesh.shape[a] for a in chosen.get("k", ())) if not mesh.empty else 1
     params = _local_params(dict(params_key), k_parts)
+    scatter = _scatter(layout, chosen, mesh, result_shape, axes)
+    if scatter:
+        spec = list(out_sh[0].spec) + [None] * (len(layout.outs[0]) - len(out_sh[0].spec))
+        for d, sa in scatter.items():
+            spec[d] = _spec_entry(sa)
+        out_sh = [NamedSharding(mesh, P(*spec))]
+        if name == "jax_fp4_scaled_matmul" and 1 in scatter:  # the bias: this N slice
+            arg_sh[-1] = NamedSharding(mesh, P(_spec_entry(scatter[1])))
 
     def body(*args):
-        return _body(name, local, params, args, axes)
+        return _body(name, local, params, args, axes, scatter)
 
     return mesh, body, _pack(result_shape, out_sh), tuple(arg_sh)
 

@@ -18,7 +18,8 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from .qarray import QArray
 
 __all__ = ["qarray_partition_specs", "shard_qarray", "named_shardings", "quantized_specs",
-           "tensor_parallel_specs", "with_out_sharding", "MEGATRON_COLUMN", "MEGATRON_ROW"]
+           "tensor_parallel_specs", "fsdp_specs", "gather_weights", "with_out_sharding",
+           "MEGATRON_COLUMN", "MEGATRON_ROW"]
 
 #: Layer names of Megatron's column-parallel layers (output features sharded): attention
 #: q/k/v and MLP gate/up projections, as Hugging Face Llama / Mistral / Qwen name them
@@ -162,6 +163,86 @@ def tensor_parallel_specs(tree, axis: str = "model", *, column: str = MEGATRON_C
         return qarray_partition_specs(out, leaf) if isinstance(leaf, QArray) else out
 
     return jax.tree_util.tree_map_with_path(spec, tree, is_leaf=lambda x: isinstance(x, QArray))
+
+
+def _axes_size(mesh, axis):
+    names = axis if isinstance(axis, tuple) else (axis,)
+    size = 1
+    for a in names:
+        size *= mesh.shape[a]
+    return size
+
+
+def fsdp_specs(tree, mesh, axis: Any = "fsdp", *, default: Any = None) -> Any:
+    """FSDP (ZeRO-3) PartitionSpecs: each weight stored sharded at rest over ``axis``.
+
+    Each 2-D ``kernel`` / ``weight`` leaf (float or QArray, told apart by name as
+    :func:`jax_fp4.nn.quantize_params` does) is split along its output features (the axis
+    it is not contracted on) where they divide over ``axis``' devices -- for a QArray the
+    rows of ``data``, ``scales`` and ``zeros`` (:func:`qarray_partition_specs`), whole
+    128-row tiles for a prepared (``"tiled"``) weight. Every other leaf gets ``default``.
+    Gather the weights just before use with :func:`gather_weights`: a QArray is gathered
+    as its packed leaves (4-bit codes and scales: about 4x fewer bytes than bf16).
+
+    Args:
+      tree: parameter pytree with float arrays or QArrays.
+      mesh: the Mesh (or AbstractMesh) ``axis`` belongs to (for the sizes).
+      axis: mesh axis name (or tuple of names) to shard over.
+      default: spec for every other leaf (None: replicated).
+    Returns:
+      pytree of tree's structure with PartitionSpec leaves (QArrays of specs for QArrays).
+    """
+    from .layout import TILE_ROWS
+    from .nn.params import contraction_axis, path_str
+
+    n = _axes_size(mesh, axis)
+
+    def spec(path, leaf):
+        k = contraction_axis(path_str(path))
+        out = default
+        if k is not None and getattr(leaf, "ndim", None) == 2:
+            rows = leaf.shape[1 - k]
+            tiled = isinstance(leaf, QArray) and leaf.scale_layout == "tiled"
+            if rows % (n * (TILE_ROWS if tiled else 1)) == 0:
+                entries = [None, None]
+                entries[1 - k] = axis
+                out = P(*entries)
+        return qarray_partition_specs(out, leaf) if isinstance(leaf, QArray) else out
+
+    return jax.tree_util.tree_map_with_path(spec, tree, is_leaf=lambda x: isinstance(x, QArray))
+
+
+def gather_weights(tree, mesh=None, specs=None):
+    """FSDP's all-gather at use: ``tree``'s arrays laid out as ``specs`` (default: replicated).
+
+    Call it inside ``jax.jit`` on weights stored sharded (:func:`fsdp_specs`) just before
+    the layer that uses them; XLA schedules the all-gathers (on GPU asynchronously,
+    overlapping earlier layers' compute). A QArray is constrained leaf by leaf, so its
+    packed ``data`` (uint8, K*bits/8 bytes per row), ``scales`` and ``zeros`` are what
+    cross the interconnect, never a dequantized float weight: 4-bit weights move about
+    4x fewer bytes than bf16 ones (NVFP4: 4.5 bits per element with its E4M3 scales).
+
+    Args:
+      tree: pytree of arrays and QArrays (a layer's parameters, or the whole model's).
+      mesh: the Mesh of the specs; None: the context mesh (``jax.set_mesh``).
+      specs: the layout to gather to, a spec pytree of tree's structure (e.g.
+        :func:`tensor_parallel_specs` to gather the FSDP axis only and keep the tensor-
+        parallel split), or None: every leaf replicated.
+    Returns:
+      ``tree`` with each leaf passed through :func:`with_out_sharding` to its spec
+      (``with_sharding_constraint`` on Auto mesh axes, ``reshard`` on Explicit ones).
+    Raises:
+      ValueError: specs does not have tree's structure (from ``jax.tree.map``).
+    """
+    def named(s):
+        s = P() if s is None else s
+        return s if mesh is None else NamedSharding(mesh, s)
+
+    if specs is None:
+        return jax.tree.map(lambda x: with_out_sharding(x, named(P())), tree)
+    target = jax.tree.map(lambda s: jax.tree.map(named, s) if isinstance(s, QArray)
+                          else named(s), specs, is_leaf=_is_spec_leaf)
+    return jax.tree.map(with_out_sharding, tree, target)
 
 
 def with_out_sharding(y, out_sharding):

@@ -38,3 +38,28 @@ def test_decoder_step_quantized_close_to_bf16():
     # RTN nvfp4 moves each projection by ~10%; a wrong layout or scale would move the
     # output by ~100% (the distance between unrelated outputs)
     assert np.isfinite(got).all() and rel < 0.3, rel
+
+
+def test_bench_model_one_and_two_devices_in_one_run(tmp_path):
+    # --tp 1 2 --fsdp 2: every layout measured in the same run, each with its collectives
+    out = tmp_path / "RESULTS.md"
+    rows = bench_model.main(["--tiny", "--ms", "4", "--iters", "1", "--formats", "nvfp4",
+                             "--tp", "1", "2", "--fsdp", "2", "--no-kernel-sum",
+                             "--results", str(out)])
+    by = {(r["layout"], r["fmt"]): r for r in rows}
+    assert set(by) == {(lay, f) for lay in (("tp", 1), ("tp", 2), ("fsdp", 2))
+                       for f in ("bf16", "nvfp4")}
+    assert by[("tp", 1), "nvfp4"]["coll"] == {}
+    # Megatron: one all-reduce per attention block and one per MLP, nothing else
+    layers = bench_model.TINY.layers
+    for f in ("bf16", "nvfp4"):
+        assert set(by[("tp", 2), f]["coll"]) == {"all-reduce"}
+        assert by[("tp", 2), f]["coll"]["all-reduce"][0] == 2 * layers
+        assert set(by[("fsdp", 2), f]["coll"]) == {"all-gather"}
+    # FSDP gathers the 4-bit weights packed: far fewer bytes than the bf16 ones
+    gathered = {f: by[("fsdp", 2), f]["coll"]["all-gather"][1] for f in ("bf16", "nvfp4")}
+    assert gathered["nvfp4"] * 3 < gathered["bf16"], gathered
+    text = out.read_text()
+    for part in ("**1 device**", "**TP=2**", "**FSDP=2**", "**Speed-up over one device**",
+                 "| TP=2 | 4 |", "| FSDP=2 | 4 |"):
+        assert part in text, part

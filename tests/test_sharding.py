@@ -8,6 +8,7 @@ activation between devices: no all-gather, all-to-all or collective-permute; all
 only of the scalar amax (NVFP4 tensor_scale="auto", u32 bit patterns) and of the output
 of a K-sharded matmul.
 """
+import math
 import re
 
 import jax
@@ -17,8 +18,9 @@ import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import jax_fp4 as jf
-from jax_fp4.sharding import (qarray_partition_specs, quantized_specs,
-                              tensor_parallel_specs)
+import jax_fp4.nn  # noqa: F401  (jf.nn.quantize_params)
+from jax_fp4.sharding import (fsdp_specs, gather_weights, named_shardings,
+                              qarray_partition_specs, quantized_specs, tensor_parallel_specs)
 
 _CPUS = jax.devices("cpu")
 if len(_CPUS) < 8:
@@ -282,6 +284,86 @@ def test_scaled_matmul_column_row_batch(fmts, case):
     _close(f(*args), f(*on_cpu((a, b, bias))))
 
 
+# Row-parallel with the output asked split (Megatron sequence parallelism: rows over the
+# tensor-parallel axis): the partial sums are reduce-scattered, not all-reduced and sliced.
+# (mesh, x spec, weight (K, N) spec, output spec, expected collectives besides the amax)
+def _no_layouts(found):
+    """Collectives with their shapes' layouts ({1,0}) dropped: XLA picks the layout."""
+    return [(kind, re.sub(r"\{[^}]*\}", "", shape)) for kind, shape in found]
+
+
+SCATTER_CASES = {
+    "rows": (MESH, P(None, "model"), P("model", None), P("model", None),
+             [("reduce-scatter", "f32[4,128]")]),
+    "columns": (MESH, P(None, "model"), P("model", None), P(None, "model"),
+                [("reduce-scatter", "f32[16,32]")]),
+    "rows-over-2-axes": (MESH, P(None, ("data", "model")), P(("data", "model"), None),
+                         P(("data", "model"), None), [("reduce-scatter", "f32[2,128]")]),
+    # K over both axes, rows asked over "model" only: scatter over it, sum over "data"
+    "rows-over-1-of-2-axes": (MESH, P(None, ("data", "model")), P(("data", "model"), None),
+                              P("model", None), [("reduce-scatter", "f32[4,128]"),
+                                                 ("all-reduce", "f32[4,128]")]),
+    "rows-1d": (MESH_1D, P(None, "model"), P("model", None), P("model", None),
+                [("reduce-scatter", "f32[2,128]")]),
+}
+
+
+@pytest.mark.parametrize("case", list(SCATTER_CASES))
+@pytest.mark.parametrize("fmt,block_size,ts", [("nvfp4", None, "auto"), ("int4", 64, None)],
+                         ids=["nvfp4-auto", "int4-64"])
+def test_w4a16_row_parallel_reduce_scatters_a_split_output(fmt, block_size, ts, case):
+    mesh, xspec, wspec, ospec, want = SCATTER_CASES[case]
+    x, w = _x((16, 512), 1), _x((512, 128), 2)
+    q = jf.quantize(w, fmt, axis=0, block_size=block_size, tensor_scale=ts)
+    out = NamedSharding(mesh, ospec)
+    f = jax.jit(lambda x, q: jax.lax.with_sharding_constraint(jf.matmul(x, q), out))
+    args = (put(x, xspec, mesh), put(q, qarray_partition_specs(wspec, q), mesh))
+    found = _no_layouts(c for c in collectives(f, *args) if c != ("all-reduce", "u32[]"))
+    assert sorted(found) == sorted(want), found
+    y = f(*args)
+    assert y.sharding.is_equivalent_to(out, 2), y.sharding
+    _close(y, jax.jit(jf.matmul)(*on_cpu((x, q))))
+
+
+def test_reduce_scatter_via_out_sharding_bf16_and_explicit_axes():
+    x = _x((16, 512), 1).astype(jnp.bfloat16)
+    q = jf.quantize(_x((512, 128), 2).astype(jnp.bfloat16), "mxfp4", axis=0)
+    dims = (((1,), (0,)), ((), ()))
+    want = np.asarray(jf.matmul(*on_cpu((x, q))), np.float64)
+    explicit = Mesh(MESH.devices, MESH.axis_names, axis_types=(AxisType.Explicit,) * 2)
+    for mesh in (MESH, explicit):
+        with jax.set_mesh(mesh):
+            f = jax.jit(lambda x, q: jf.dot_general(x, q, dims, out_sharding=P("model", None)))
+            args = (put(x, P(None, "model"), mesh),
+                    put(q, qarray_partition_specs(P("model", None), q), mesh))
+            assert _no_layouts(collectives(f, *args)) == [("reduce-scatter", "f32[4,128]")]
+            y = f(*args)
+        assert y.dtype == jnp.bfloat16 and y.sharding.spec[0] == "model"
+        np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=1e-2,
+                                   atol=1e-2 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("ospec,want", [(P("model", None), "f32[8,64]"),
+                                        (P(None, "model"), "f32[32,16]")],
+                         ids=["rows", "columns"])
+def test_scaled_matmul_row_parallel_reduce_scatters(ospec, want):
+    a = jf.quantize(_x((32, 512), 1), "nvfp4", axis=1, tensor_scale="auto")
+    b = jf.quantize(_x((64, 512), 2), "nvfp4", axis=1, tensor_scale="auto")
+    bias = _x((64,), 3)
+    out = NamedSharding(MESH, ospec)
+    f = jax.jit(lambda a, b, bias: jax.lax.with_sharding_constraint(
+        jf.scaled_matmul(a, b, alpha=0.5, bias=bias, out_dtype=jnp.float32), out))
+    args = (put(a, qarray_partition_specs(P(None, "model"), a)),
+            put(b, qarray_partition_specs(P(None, "model"), b)), put(bias, P()))
+    found = _no_layouts(c for c in collectives(f, *args) if c != ("all-reduce", "u32[]"))
+    assert found == [("reduce-scatter", want)], found
+    y = f(*args)
+    assert y.sharding.is_equivalent_to(out, 2), y.sharding
+    ref = jax.jit(lambda a, b, bias: jf.scaled_matmul(a, b, alpha=0.5, bias=bias,
+                                                      out_dtype=jnp.float32))
+    _close(y, ref(*on_cpu((a, b, bias))))  # the bias added once, to each device's slice
+
+
 def test_gspmd_partitioner_takes_the_same_rules():
     # infer_sharding_from_operands serves XLA's GSPMD partitioner (Shardy is the default)
     x, w = _x((16, 512), 1), _x((512, 128), 2)
@@ -295,6 +377,100 @@ def test_gspmd_partitioner_takes_the_same_rules():
         _close(f(*args), f(*on_cpu((x, q))))
     finally:
         jax.config.update("jax_use_shardy_partitioner", shardy)
+
+
+# ------------------------------------------------------------------------ FSDP
+MESH_FSDP = Mesh(np.array(_CPUS[:8]), ("fsdp",), axis_types=(AxisType.Auto,))
+
+
+def _gathers(found):
+    """[(dtype, elements)] of each all-gather's (per-device, gathered) result."""
+    out = []
+    for kind, shape in found:
+        if kind == "all-gather":
+            for dt, dims in re.findall(r"(\w+)\[([\d,]*)\]", shape):
+                out.append((dt, math.prod(int(d) for d in dims.split(",") if d)))
+    return out
+
+
+def _scales_gathered(gathered, n):
+    """The scales: n elements gathered as themselves, or (XLA's CPU backend widens float8
+    for its collectives) as f16."""
+    return [g for g in gathered if g[0] != "u8" or g[1] != n]
+
+
+@pytest.mark.parametrize("fmt,block_size", [("nvfp4", None), ("int4", 64)])
+def test_fsdp_all_gathers_the_packed_4bit_weight(fmt, block_size):
+    # weights stored sharded over 8 devices, gathered just before use; activations
+    # batch-sharded (data parallel) never move
+    params = {"up": {"kernel": _x((512, 256), 2).astype(jnp.bfloat16)}}
+    qparams = jf.nn.quantize_params(params, fmt, block_size=block_size)
+    x = put(_x((32, 512), 1).astype(jnp.bfloat16), P("fsdp", None), MESH_FSDP)
+
+    def layer(p, x):
+        w = p["up"]["kernel"]
+        return jf.matmul(x, w) if isinstance(w, jf.QArray) else x @ w
+
+    f = jax.jit(lambda p, x: layer(gather_weights(p, MESH_FSDP), x))
+    gathered = {}
+    for name, tree in (("bf16", params), (fmt, qparams)):
+        placed = jax.device_put(tree, named_shardings(MESH_FSDP, fsdp_specs(tree, MESH_FSDP)))
+        w = placed["up"]["kernel"]
+        at_rest = w.data if isinstance(w, jf.QArray) else w
+        assert at_rest.addressable_shards[0].data.nbytes == at_rest.nbytes // 8  # sharded
+        found = collectives(f, placed, x)
+        assert {k for k, _ in found} == {"all-gather"}, found
+        gathered[name] = _gathers(found)
+        y = f(placed, x)
+        assert y.sharding.spec[0] == "fsdp"
+        _close(y, jax.jit(layer)(*on_cpu((tree, x))))
+    q = qparams["up"]["kernel"]
+    # the bf16 step gathers the float weight (XLA's CPU dot may widen it to f32 first);
+    # the 4-bit one its packed codes (a byte per two weights) and its scales (and INT4
+    # zero points), nothing else: no float weight, no activation
+    assert [n for _, n in gathered["bf16"]] == [512 * 256]
+    codes = 512 * 256 // 2
+    assert ("u8", codes) in gathered[fmt], gathered
+    side = [leaf for leaf in (q.scales, q.zeros) if leaf is not None]
+    rest = _scales_gathered(gathered[fmt], codes)
+    assert sorted(n for _, n in rest) == sorted(leaf.size for leaf in side), gathered
+    # bytes at their own dtypes: about 4x fewer than the bf16 weight
+    packed = sum(leaf.nbytes for leaf in (q.data, *side))
+    assert 512 * 256 * 2 / packed > 3.2, packed
+
+
+def test_fsdp_with_tensor_parallel_gathers_only_the_fsdp_axis():
+    # 2x4 mesh: weights at rest over "data" (FSDP) and "model" (tensor parallel);
+    # gathered over "data" into the column-parallel layout, which then runs unchanged
+    w = _x((512, 256), 2)
+    q = jf.quantize(w, "nvfp4", axis=0)
+    tp = qarray_partition_specs(P(None, "model"), q)
+    rest = qarray_partition_specs(P(None, ("model", "data")), q)
+    f = jax.jit(lambda x, q: jf.matmul(x, gather_weights(q, MESH, tp)))
+    args = (put(_x((8, 512), 1), P()), put(q, rest))
+    found = collectives(f, *args)
+    # each device gathers its "model" column block (N/4 = 64 rows) of packed codes and
+    # E4M3 scales
+    got = _gathers(found)
+    assert {k for k, _ in found} == {"all-gather"} and ("u8", 64 * 256) in got, found
+    assert [n for _, n in _scales_gathered(got, 64 * 256)] == [64 * 32], found
+    y = f(*args)
+    assert y.sharding.spec == P(None, "model")
+    _close(y, jax.jit(jf.matmul)(*on_cpu((args[0], q))))
+
+
+def test_fsdp_specs_layout():
+    tree = {"a": {"kernel": jnp.zeros((64, 256))}, "b": {"weight": jnp.zeros((256, 64))},
+            "odd": {"kernel": jnp.zeros((64, 12))}, "norm": {"scale": jnp.zeros((256,))}}
+    specs = fsdp_specs(tree, MESH_FSDP)
+    assert specs["a"]["kernel"] == P(None, "fsdp")  # Flax (in, out): out features
+    assert specs["b"]["weight"] == P("fsdp", None)  # PyTorch (out, in)
+    assert specs["odd"]["kernel"] is None and specs["norm"]["scale"] is None  # 12 % 8
+    qspecs = fsdp_specs(jf.nn.quantize_params(tree, "nvfp4"), MESH_FSDP)
+    qa = qspecs["a"]["kernel"]
+    assert isinstance(qa, jf.QArray) and qa.data == P("fsdp", None) and qa.scales == qa.data
+    with pytest.raises(ValueError):
+        gather_weights(tree, MESH_FSDP, {"a": None})
 
 
 # ------------------------------------------------------------------------ autodiff, out_sharding
