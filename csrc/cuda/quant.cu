@@ -15,6 +15,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 
 #include <cstdint>
 
@@ -692,13 +693,18 @@ ffi::Error with_fmt(int fmt, F&& f) {
 // (grid-stride beyond that). Measured on an H100 (benchmarks/log/NOTES.md): quantize and
 // fake-quantize (2 resident CTAs per SM) do best with 8 waves (16 per SM); dequantize,
 // whose traffic is 80% writes, with a single CTA per SM.
+// The SM count is read once per device (a process may run on several GPUs).
 int grid_for(int64_t n_chunks, int ctas_per_sm) {
-  static int sms = [] {
-    int dev = 0, n = 0;
-    cudaGetDevice(&dev);
-    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
-    return n > 0 ? n : 132;
-  }();
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> sm_count[kMaxDevices];
+  int dev = 0;
+  cudaGetDevice(&dev);
+  int sms = dev >= 0 && dev < kMaxDevices ? sm_count[dev].load(std::memory_order_relaxed) : 0;
+  if (sms == 0) {
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    if (sms <= 0) sms = 132;
+    if (dev >= 0 && dev < kMaxDevices) sm_count[dev].store(sms, std::memory_order_relaxed);
+  }
   const int64_t ctas = (n_chunks + kThreads - 1) / kThreads;
   const int64_t cap = static_cast<int64_t>(sms) * ctas_per_sm;
   return static_cast<int>(ctas < cap ? ctas : cap);

@@ -26,8 +26,11 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "../codecs.h"
 #include "../cpu/validate.h"
@@ -1713,9 +1716,9 @@ int use_bit_path(const WParams& p) {
 
 // The wgmma kernel instance runs here only if its sm_90a code was built and the device is
 // compute capability 9.0 (an sm_90a cubin loads on nothing else). Also raises its
-// dynamic shared-memory limit, once.
+// dynamic shared-memory limit.
 template <class Kernel>
-cudaError_t prepare_wgmma(Kernel kernel, int smem_bytes) {
+cudaError_t prepare_wgmma_on_device(Kernel kernel, int smem_bytes) {
   int dev = 0, major = 0, minor = 0;
   cudaError_t e = cudaGetDevice(&dev);
   if (e == cudaSuccess) e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
@@ -1726,6 +1729,24 @@ cudaError_t prepare_wgmma(Kernel kernel, int smem_bytes) {
   if (e != cudaSuccess) return e;
   if (major != 9 || minor != 0 || attr.binaryVersion != 90) return cudaErrorNoKernelImageForDevice;
   return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+}
+
+// prepare_wgmma_on_device once per (kernel, device): a function attribute is set for the
+// current device only, so a process that runs the kernel on several GPUs (sharded
+// programs) prepares it on each; a launch on an unprepared device fails with
+// cudaErrorInvalidValue.
+template <class Kernel>
+cudaError_t prepare_wgmma(Kernel kernel, int smem_bytes) {
+  static std::mutex mu;
+  static std::map<std::pair<const void*, int>, cudaError_t> prepared;
+  int dev = 0;
+  const cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  const auto key = std::make_pair(reinterpret_cast<const void*>(kernel), dev);
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = prepared.find(key);
+  if (it == prepared.end()) it = prepared.emplace(key, prepare_wgmma_on_device(kernel, smem_bytes)).first;
+  return it->second;
 }
 
 // A tensor map of `rank` dimensions (dims[0] innermost, strides[i] the byte stride of
@@ -1776,9 +1797,8 @@ cudaError_t launch_wgmma(cudaStream_t stream, const uint16_t* xp, const uint8_t*
   static_assert(wg_fits<FMT, BN, BITS, false>(wg_stage_bytes<FMT, BITS, BN, false>()) &&
                     wg_fits<FMT, BN, BITS, true>(wg_stage_bytes<FMT, BITS, BN, true>()),
                 "the CTAs per SM the kernel is built for must fit an SM's shared memory");
-  static const cudaError_t ready = prepare_wgmma(wmatmul_wgmma_kernel<FMT, BF16, BITS, BN, false>, kSmemLinear);
-  static const cudaError_t ready_tiled = prepare_wgmma(wmatmul_wgmma_kernel<FMT, BF16, BITS, BN, true>, kSmemTiled);
-  if ((tiled ? ready_tiled : ready) != cudaSuccess) return tiled ? ready_tiled : ready;
+  const cudaError_t ready = prepare_wgmma(kernel, tiled ? kSmemTiled : kSmemLinear);
+  if (ready != cudaSuccess) return ready;
   // x permuted (M, K128): boxes of BN rows x 64 k into the 128-byte swizzle the wgmma
   // descriptor names; codes (N, K / 2) bytes: boxes of 128 rows x 64 bytes (K % 32 == 0,
   // so rows are 16-byte aligned)
