@@ -34,6 +34,7 @@ multi-device step is the mean over its devices.
 from __future__ import annotations
 
 import argparse
+import json
 import dataclasses
 import datetime
 import os
@@ -413,6 +414,8 @@ def main(argv=None):
     ap.add_argument("--no-kernel-sum", action="store_true")
     ap.add_argument("--results", default=os.path.join(os.path.dirname(__file__), "RESULTS.md"))
     ap.add_argument("--no-append", action="store_true")
+    ap.add_argument("--json", default=None, metavar="PATH",
+                    help="also write the rows as JSON (benchmarks/model_results.py reads it)")
     args = ap.parse_args(argv)
     for f in args.formats:
         jf.get_format(f)  # unknown names fail before any work
@@ -427,6 +430,12 @@ def main(argv=None):
     if not args.no_append:
         with open(args.results, "a") as fh:
             fh.write("\n" + text)
+    if args.json:
+        gpu = str(getattr(dev, "device_kind", dev.platform))
+        with open(args.json, "w") as fh:
+            json.dump([dict(gpu=gpu, table=head.splitlines()[0].lstrip("# "), m=r["m"],
+                            fmt=r["fmt"], ratio=r["ratio"], bf16_ms=r["wall"] * r["ratio"] * 1e3)
+                       for r in rows if r["fmt"] != "bf16"], fh, indent=1)
     return rows
 
 

@@ -105,15 +105,20 @@ def _shr_stochastic(hi, lo, sh, rand):
     ``rand`` < floor(2**32 * the discarded fraction), down otherwise (so up with the
     fraction's probability, to within 2**-32, for uniform uint32 ``rand``).
 
-    The fraction's top 32 bits are rem * 2**(32 - sh) + lo * 2**(8 - sh) (lo shifted right
-    when sh > 8); hi < 2**24, lo < 2**24, sh clamped to [0, 31] as in :func:`_shr_rne`.
+    The fraction's top 32 bits are rem * 2**(32 - sh) + lo * 2**(8 - sh) (shifts right
+    where the exponent is negative); hi < 2**24, lo < 2**24, sh >= 0. Shifts past 31 are
+    spelled out (a value far below one unit keeps its small probability, never a clamped
+    shift's larger one): for sh >= 24, q = 0 and the fraction is the whole value.
     """
-    sh = jnp.clip(sh, 0, 31).astype(U32)
-    q = hi >> sh
-    rem = hi & ((jnp.uint32(1) << sh) - 1)
-    rem_part = jnp.where(sh > 0, rem << (jnp.uint32(32) - jnp.maximum(sh, 1)), 0)
+    sh = jnp.clip(sh, 0, 63).astype(U32)
+    s31 = jnp.minimum(sh, 31)
+    q = hi >> s31  # 0 for sh >= 24
+    rem = hi & ((jnp.uint32(1) << s31) - 1)  # == hi for sh >= 24
+    rem_part = jnp.where(sh == 0, 0, jnp.where(
+        sh < 32, rem << (jnp.uint32(32) - jnp.clip(sh, 1, 31)),
+        hi >> jnp.minimum(jnp.maximum(sh, 32) - jnp.uint32(32), 31)))
     lo_part = jnp.where(sh <= 8, lo << (jnp.uint32(8) - jnp.minimum(sh, 8)),
-                        lo >> (jnp.maximum(sh, 8) - jnp.uint32(8)))
+                        lo >> jnp.minimum(jnp.maximum(sh, 8) - jnp.uint32(8), 31))
     frac32 = rem_part | lo_part  # disjoint bits: rem_part's lowest is 2**(32 - sh)
     return q + (rand < frac32).astype(U32)
 
@@ -519,6 +524,9 @@ def _encode_int4(xb, s_store, z, rand=None):
     if rand is None:
         r = jnp.round(v)
     else:  # floor + 1 exactly when rand < floor(2**32 * frac); frac * 2**32 is exact
+        # a subnormal quotient counts as zero (as XLA:CPU's flushing floor treats it), so
+        # that every backend agrees; its true probability of moving is below 2**-126
+        v = jnp.where(jnp.abs(v) < F32(2.0 ** -126), F32(0.0), v)
         fl = jnp.floor(v)
         r = fl + (rand < _ldexp(v - fl, 32).astype(jnp.uint32)).astype(F32)
     return jnp.clip(r + z.astype(F32)[..., None], 0, 15).astype(jnp.uint8)

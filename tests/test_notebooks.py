@@ -15,7 +15,8 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 def test_notebooks_exist():
     names = {p.stem for p in NOTEBOOKS}
-    assert {"formats_tour", "qat_vs_ptq", "qlora_distillation"} <= names
+    assert {"formats_tour", "qat_vs_ptq", "qlora_distillation", "minilm_quality",
+            "gpu_speed"} <= names
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)

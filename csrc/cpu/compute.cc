@@ -31,11 +31,13 @@ float row_tensor_scale(const Problem& p, const float* ts, int64_t r, bool* ok = 
 }
 
 // Quantizes blocks [j0, j1) of row r into b.c (codes) and b.s (scale bits); INT4 zero
-// points go to `zeros` (one per block). Returns the piece's element count. Shared by
+// points go to `zeros` (one per block). `rand`: the (R, K) random bits of stochastic
+// rounding, or null (round to nearest even). Returns the piece's element count. Shared by
 // quantize and fake-quantize.
 template <int FMT, typename T>
 int64_t quantize_piece(const Problem& p, PieceBufs& b, const typename T::storage* x,
-                       const float* ts, int64_t r, int64_t j0, int64_t j1, uint8_t* zeros) {
+                       const float* ts, int64_t r, int64_t j0, int64_t j1, uint8_t* zeros,
+                       const uint32_t* rand = nullptr) {
   const int64_t nblk = j1 - j0;
   const int64_t n = nblk * p.bs;
   bool ts_ok;
@@ -43,20 +45,22 @@ int64_t quantize_piece(const Problem& p, PieceBufs& b, const typename T::storage
   load_f32<T>(x + r * p.K + j0 * p.bs, n, b.f.data());
   with_block_size<FMT>(p.bs, [&](auto bs_c) {
     quantize_blocks<FMT, decltype(bs_c)::value>(b.f.data(), nblk, p.bs, p, tsr, ts_ok,
-                                                b.c.data(), b.s.data(), zeros, b.scratch);
+                                                b.c.data(), b.s.data(), zeros, b.scratch,
+                                                rand ? rand + r * p.K + j0 * p.bs : nullptr);
   });
   return n;
 }
 
 template <int FMT, typename T>
 void quantize_units(const Problem& p, const Partition& t, int64_t ub, int64_t ue,
-                    const typename T::storage* x, const float* ts, uint8_t* codes, void* scales,
-                    uint8_t* zeros) {
+                    const typename T::storage* x, const float* ts, const uint32_t* rand,
+                    uint8_t* codes, void* scales, uint8_t* zeros) {
   PieceBufs b(p, t);
   const int sbytes = scale_bytes(p);
   for_each_piece(p, t, ub, ue, [&](int64_t r, int64_t j0, int64_t j1) {
     const int64_t n = quantize_piece<FMT, T>(p, b, x, ts, r, j0, j1,
-                                             FMT == kINT4 ? zeros + r * p.nb + j0 : nullptr);
+                                             FMT == kINT4 ? zeros + r * p.nb + j0 : nullptr,
+                                             rand);
     for (int64_t j = 0; j < j1 - j0; ++j)
       store_scale(scales, scale_offset(r, j0 + j, p.nb, p.swizzled), sbytes, b.s[j]);
     pack(p.bits, b.c.data(), n, codes + r * row_bytes(p) + j0 * p.bs * p.bits / 8);
@@ -103,7 +107,8 @@ void fake_quantize_units(const Problem& p, const Partition& t, int64_t ub, int64
 }  // namespace
 
 bool quantize(void* pool, const Problem& p, FloatType dtype, const void* x,
-                    const float* ts, uint8_t* codes, void* scales, uint8_t* zeros) {
+              const float* ts, const uint32_t* rand, uint8_t* codes, void* scales,
+              uint8_t* zeros) {
   const Partition t = make_partition(p);
   return dispatch_fmt(p.fmt, [&](auto fmt_c) {
     constexpr int FMT = decltype(fmt_c)::value;
@@ -111,7 +116,7 @@ bool quantize(void* pool, const Problem& p, FloatType dtype, const void* x,
       using T = decltype(type_c);
       const auto* xp = static_cast<const typename T::storage*>(x);
       auto body = [&](int64_t ub, int64_t ue) {
-        quantize_units<FMT, T>(p, t, ub, ue, xp, ts, codes, scales, zeros);
+        quantize_units<FMT, T>(p, t, ub, ue, xp, ts, rand, codes, scales, zeros);
       };
       parallel_for(pool, t.n_units, grain_units(p, t), body);
       return true;

@@ -21,12 +21,14 @@ enum class FloatType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
 using RangeFn = void (*)(void* ctx, int64_t begin, int64_t end);
 void run_parallel(void* pool, int64_t n, int64_t grain, void* ctx, RangeFn fn);
 
-// x / y have element type `type`; ts is (R,) f32. Return false for an unsupported
-// format or type (the handlers validate first, so this does not happen).
+// x / y have element type `type`; ts is (R,) f32; rand is null (round to nearest even)
+// or (R, K) uint32 random bits (stochastic rounding, csrc/sr_codecs.h). Return false for
+// an unsupported format or type (the handlers validate first, so this does not happen).
 #define JF4_DECLARE_CPU_COMPUTE(ns)                                                        \
   namespace ns {                                                                           \
   bool quantize(void* pool, const Problem& p, FloatType type, const void* x,               \
-                const float* ts, uint8_t* codes, void* scales, uint8_t* zeros);            \
+                const float* ts, const uint32_t* rand, uint8_t* codes, void* scales,       \
+                uint8_t* zeros);                                                           \
   bool dequantize(void* pool, const Problem& p, FloatType type, const uint8_t* codes,      \
                   const void* scales, const uint8_t* zeros, const float* ts, void* y);     \
   bool fake_quantize(void* pool, const Problem& p, FloatType type, const void* x,          \

@@ -136,7 +136,32 @@ ffi::Error QuantizeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer t
   if (p.swizzled) std::memset(scales->untyped_data(), 0, scales->size_bytes());
   return compute_status(
       JF4_CPU_CALL(quantize, &pool, p, float_type(x.element_type()), x.untyped_data(),
+                   static_cast<const float*>(ts.untyped_data()), /*rand=*/nullptr,
+                   static_cast<uint8_t*>(codes->untyped_data()), scales->untyped_data(),
+                   static_cast<uint8_t*>(zeros->untyped_data())),
+      where);
+}
+
+// jax_fp4_quantize_sr_v1: quantize with stochastic rounding of the elements, one uint32
+// of `rand` (R, K) per element (jax_fp4/stochastic.py); linear scales, attributes of v1.
+ffi::Error QuantizeSrImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer ts,
+                          ffi::AnyBuffer rand, ffi::Result<ffi::AnyBuffer> codes,
+                          ffi::Result<ffi::AnyBuffer> scales, ffi::Result<ffi::AnyBuffer> zeros,
+                          int32_t fmt, int64_t block_size, int32_t rceil, int32_t two_level) {
+  const std::string where = "jax_fp4_quantize_sr_v1";
+  JF4_RETURN_IF_ERROR(validate_x(where, "x", x));
+  Problem p{};
+  JF4_RETURN_IF_ERROR(validate_problem(where, fmt, block_size, rceil, two_level,
+                                       x.dimensions()[0], x.dimensions()[1], &p));
+  JF4_RETURN_IF_ERROR(validate_ts(where, p, ts));
+  JF4_RETURN_IF_ERROR(check_dtype(where, "rand", rand.element_type(), {ffi::DataType::U32}));
+  JF4_RETURN_IF_ERROR(check_shape(where, "rand", rand.dimensions(), {p.R, p.K}));
+  JF4_RETURN_IF_ERROR(validate_quantized(where, &p, *codes, *scales, *zeros));
+  if (p.R == 0 || p.K == 0) return ffi::Error::Success();
+  return compute_status(
+      JF4_CPU_CALL(quantize, &pool, p, float_type(x.element_type()), x.untyped_data(),
                    static_cast<const float*>(ts.untyped_data()),
+                   static_cast<const uint32_t*>(rand.untyped_data()),
                    static_cast<uint8_t*>(codes->untyped_data()), scales->untyped_data(),
                    static_cast<uint8_t*>(zeros->untyped_data())),
       where);
@@ -216,6 +241,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4QuantizeV1Cpu, jf4::cpu::QuantizeV1Impl,
                               jf4::cpu::QuantizeBinding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4QuantizeV2Cpu, jf4::cpu::QuantizeImpl,
                               jf4::cpu::QuantizeBinding().Attr<int32_t>("swizzled"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4QuantizeSrV1Cpu, jf4::cpu::QuantizeSrImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
+                                  .Arg<xla::ffi::AnyBuffer>()   // x
+                                  .Arg<xla::ffi::AnyBuffer>()   // ts
+                                  .Arg<xla::ffi::AnyBuffer>()   // rand
+                                  .Ret<xla::ffi::AnyBuffer>()   // codes
+                                  .Ret<xla::ffi::AnyBuffer>()   // scales
+                                  .Ret<xla::ffi::AnyBuffer>()   // zeros
+                                  .Attr<int32_t>("fmt")
+                                  .Attr<int64_t>("block_size")
+                                  .Attr<int32_t>("rceil")
+                                  .Attr<int32_t>("two_level"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4DequantizeV1Cpu, jf4::cpu::DequantizeImpl,
                               xla::ffi::Ffi::Bind()

@@ -11,6 +11,7 @@
 #include <type_traits>
 
 #include "../codecs.h"
+#include "../sr_codecs.h"
 #include "compute.h"
 #include "problem.h"
 
@@ -164,12 +165,14 @@ inline void parallel_for(void* pool, int64_t n, int64_t grain, Fn& fn) {
 // INT4 zeros), in three phases that each vectorise: block statistics, block
 // parameters (across blocks), element encoding (within a block). `ts_ok == false`
 // marks an NVFP4 two-level row whose tensor scale is unusable. BS != 0 is the block
-// size as a compile-time constant.
+// size as a compile-time constant. `rand` (one uint32 per element, or null for round to
+// nearest even) selects stochastic rounding of the elements (sr_codecs.h); the block
+// scales are the same either way.
 template <int FMT, int BS>
 inline void quantize_blocks(const float* __restrict__ x, int64_t nblk, int64_t bs, const Problem& p,
                             float ts, bool ts_ok, uint8_t* __restrict__ codes,
                             uint32_t* __restrict__ scale_bits, uint8_t* __restrict__ zeros,
-                            BlockScratch& sc) {
+                            BlockScratch& sc, const uint32_t* __restrict__ rand = nullptr) {
   const int n = BS != 0 ? BS : static_cast<int>(bs);
   uint32_t* __restrict__ amax = sc.a.data();
   float* __restrict__ mult = sc.m.data();
@@ -238,6 +241,27 @@ inline void quantize_blocks(const float* __restrict__ x, int64_t nblk, int64_t b
   };
   const float* __restrict__ zf = sc.z.data();
   int64_t j = 0;
+  if (rand != nullptr) {
+    // Stochastic rounding: scalar per element (the random bits make every element's
+    // threshold different); MX takes the scale code, the others the multiplier.
+    for (; j < nblk; ++j) {
+      const float* __restrict__ xb = x + j * n;
+      const uint32_t* __restrict__ rb = rand + j * n;
+      uint8_t* __restrict__ cb = codes + j * n;
+      const float m = mult[j];
+      for (int i = 0; i < n; ++i) {
+        if constexpr (FMT == kNVFP4) {
+          cb[i] = static_cast<uint8_t>(nvfp4_encode_sr(xb[i], m, rb[i]));
+        } else if constexpr (FMT == kNF4 || FMT == kBNB_FP4) {
+          cb[i] = static_cast<uint8_t>(codebook_position_sr<FMT>(xb[i], m, rb[i]));
+        } else if constexpr (FMT == kINT4) {
+          cb[i] = static_cast<uint8_t>(int4_encode_sr(xb[i], m, zf[j], rb[i]));
+        } else {
+          cb[i] = static_cast<uint8_t>(mx_encode_sr<FMT>(xb[i], scale_bits[j], rb[i]));
+        }
+      }
+    }
+  }
   if constexpr (BS == 16) {
     // Two blocks per iteration: a 16-element loop is too short for the vectoriser
     // (it picks 32 byte-lanes for the uint8 output).

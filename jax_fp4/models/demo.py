@@ -144,11 +144,12 @@ def spearman(a, b) -> float:
     return float(spearmanr(a, b).statistic)
 
 
-def compare_embeddings(emb, ref) -> dict:
+def compare_embeddings(emb, ref, per_sentence: bool = False) -> dict:
     """Quality of ``emb`` against reference embeddings ``ref`` (both (n, d), unit norm).
 
     Returns:
-      {"cos_mean", "cos_min", "spearman", "top1"} as floats (see the module docstring).
+      {"cos_mean", "cos_min", "spearman", "top1"} as floats (see the module docstring),
+      and with ``per_sentence`` "cos": each sentence's cosine (list of n floats).
     """
     emb = np.asarray(emb, np.float64)
     ref = np.asarray(ref, np.float64)
@@ -159,8 +160,11 @@ def compare_embeddings(emb, ref) -> dict:
     np.fill_diagonal(se, -np.inf)
     np.fill_diagonal(sr, -np.inf)
     top1 = float(np.mean(se.argmax(1) == sr.argmax(1)))
-    return {"cos_mean": float(cos.mean()), "cos_min": float(cos.min()),
-            "spearman": spearman(se[iu], sr[iu]), "top1": top1}
+    out = {"cos_mean": float(cos.mean()), "cos_min": float(cos.min()),
+           "spearman": spearman(se[iu], sr[iu]), "top1": top1}
+    if per_sentence:
+        out["cos"] = cos.tolist()
+    return out
 
 
 def _linear_bytes(model):
@@ -216,7 +220,8 @@ def _encode_timed(encoder, sentences, model, batch_size, pad_to):
 
 def run_demo(model_dir=None, variants: Iterable = DEFAULT_VARIANTS, *,
              limit: Optional[int] = None, batch_size: int = 64, sentences_file=None,
-             calib_size: int = 64, progress: bool = True, encoder=None) -> dict:
+             calib_size: int = 64, progress: bool = True, encoder=None,
+             per_sentence: bool = False) -> dict:
     """Run the demo and return its results.
 
     Args:
@@ -230,6 +235,7 @@ def run_demo(model_dir=None, variants: Iterable = DEFAULT_VARIANTS, *,
         sentences (max |x| per layer, scale = amax/2688) of the calibration sentences.
       progress: show a tqdm progress bar on stderr (if tqdm is installed).
       encoder: an already loaded :class:`~jax_fp4.models.minilm.SentenceEncoder`.
+      per_sentence: also keep each row's per-sentence cosines ("cos", a list of floats).
     Returns:
       {"model", "sentences", "calibration_sentences", "tokens", "jax", "backend",
       "platform", "rows": [...]} where each row has variant, weights, method,
@@ -279,7 +285,8 @@ def run_demo(model_dir=None, variants: Iterable = DEFAULT_VARIANTS, *,
     stored, bf16 = _linear_bytes(enc.model)
     rows.append(dict(variant="float32", weights="float32", method=None, activations=None,
                      act_mode=None, weight_bytes=stored, bf16_bytes=bf16,
-                     compression=bf16 / stored, **compare_embeddings(ref, ref), seconds=secs,
+                     compression=bf16 / stored, **compare_embeddings(ref, ref, per_sentence),
+                     seconds=secs,
                      compile_seconds=comp, quantize_seconds=0.0))
     if bar is not None:
         bar.update(1)
@@ -311,7 +318,8 @@ def run_demo(model_dir=None, variants: Iterable = DEFAULT_VARIANTS, *,
         rows.append(dict(variant=v.label, weights=v.weights, method=v.method,
                          activations=v.activations, act_mode=v.act_mode, weight_bytes=stored,
                          bf16_bytes=bf16, compression=bf16 / stored,
-                         **compare_embeddings(emb, ref), seconds=secs, compile_seconds=comp,
+                         **compare_embeddings(emb, ref, per_sentence), seconds=secs,
+                         compile_seconds=comp,
                          quantize_seconds=qsecs))
         if bar is not None:
             bar.update(1)
