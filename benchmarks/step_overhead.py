@@ -26,12 +26,16 @@ sys.path.insert(0, os.path.dirname(__file__))
 import bench_model  # noqa: E402
 
 _GRAPH = re.compile(r"graph|command.?buffer", re.I)
+# GPU kernels that compute a projection's matmul (cuBLAS / cuBLASLt, XLA's Triton GEMMs,
+# jax-fp4's W4A16 kernels); everything else (attention, norms, layouts, copies) is "other"
+_MATMUL = re.compile(r"gemm|gemv|nvjet|cutlass|wmatmul|sm90_xmma|triton_gemm", re.I)
 
 
 def trace_events(fn, args, calls=5):
-    """(GPU stream events per call, {host event name matching _GRAPH: count per call},
-    {host event name: microseconds per call} of the longest host events) from a JAX
-    profiler trace of `calls` blocked calls."""
+    """(GPU stream events per call, seconds per call of the GPU events that are matmul
+    kernels (_MATMUL), {host event name matching _GRAPH: count per call}, {host event
+    name: microseconds per call} of the longest host events) from a JAX profiler trace of
+    `calls` blocked calls."""
     from jax.profiler import ProfileData
 
     jax.block_until_ready(fn(*args))
@@ -40,18 +44,19 @@ def trace_events(fn, args, calls=5):
         for _ in range(calls):
             jax.block_until_ready(fn(*args))
     path = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)[0]
-    n_gpu, graph, host_us = 0, collections.Counter(), collections.Counter()
+    n_gpu, mm_ns, graph, host_us = 0, 0.0, collections.Counter(), collections.Counter()
     for plane in ProfileData.from_file(path).planes:
         gpu = plane.name.startswith("/device:GPU")
         for line in plane.lines:
             for e in line.events:
                 if gpu and line.name.startswith("Stream"):
                     n_gpu += 1
+                    mm_ns += e.duration_ns if _MATMUL.search(e.name) else 0
                 elif not gpu:
                     host_us[e.name[:70]] += e.duration_ns / 1e3 / calls
                     if _GRAPH.search(e.name):
                         graph[e.name[:60]] += 1
-    return (n_gpu / calls, {k: v / calls for k, v in graph.most_common(6)},
+    return (n_gpu / calls, mm_ns * 1e-9 / calls, {k: v / calls for k, v in graph.most_common(6)},
             dict(host_us.most_common(14)))
 
 
@@ -80,11 +85,12 @@ def main():
             jax.block_until_ready(r)
         ksum = bench_model.kernel_sum(fn, fa)
         try:
-            n_gpu, graph, host = trace_events(fn, fa)
+            n_gpu, mm, graph, host = trace_events(fn, fa)
         except Exception as e:  # no profiler trace on this backend
-            n_gpu, graph, host = float("nan"), {type(e).__name__: 0}, {}
+            n_gpu, mm, graph, host = float("nan"), float("nan"), {type(e).__name__: 0}, {}
         print(f"{fmt:8s} dispatch {statistics.median(ds) * 1e3:7.3f} ms  wall {wall * 1e3:7.3f} ms  "
-              f"back-to-back {piped * 1e3:7.3f} ms  kernels {ksum * 1e3:7.3f} ms  "
+              f"back-to-back {piped * 1e3:7.3f} ms  kernels {ksum * 1e3:7.3f} ms "
+              f"(matmuls {mm * 1e3:.3f})  "
               f"GPU events/step {n_gpu:.0f}  graph events/step {graph}", flush=True)
         for name, us in host.items():
             print(f"#   host {us:9.1f} us/step  {name}", flush=True)
