@@ -3,7 +3,7 @@
 # "one script that builds, checks and times in one call"). Logs go to $OUT (or ./out).
 #
 #   bash benchmarks/device_check.sh [build] [test] [test-matmul] [sanitize] [ncu] [bench-quant]
-#       [bench-matmul] [bench-model] [overhead]
+#       [bench-matmul] [bench-model] [bench-ops] [overhead] [qlora] [sharding]
 #
 # With no arguments: build test sanitize bench-matmul. Each step has its own time limit and
 # a failing step does not stop the next; a short summary is printed last.
@@ -42,7 +42,15 @@ for s in $steps; do
     bench-matmul) run bench_matmul 500 python3 benchmarks/bench_matmul.py --shapes 8192x28672 28672x8192 \
            --ms 1 4 16 64 256 1024 --rule-ms 256 --scaled 4096 8192 --results "$OUT/RESULTS_matmul.md" ;;
     bench-model) run bench_model 560 python3 benchmarks/bench_model.py --ms ${MODEL_MS:-1 16 64} \
-           --results "$OUT/RESULTS_model.md" ;;
+           --results "$OUT/RESULTS_model.md" --json "$OUT/bench_model.json" ;;
+    bench-ops) run bench_ops 400 python3 benchmarks/bench_matmul.py --shapes 4096x1024 4096x4096 \
+           4096x14336 14336x4096 8192x28672 --ms 1 16 --tensor-scale --prepare --reference-formats \
+           --rule-ms --scaled --results "$OUT/RESULTS_ops.md" ;;
+    qlora) run qlora 300 python3 benchmarks/qlora_memory.py --json "$OUT/qlora_memory.json" ;;
+    sharding)  # needs >= 2 GPUs: the partitioned lowering's tests, then tensor parallel 1 vs 2
+      run test_sharding_gpu 200 python3 -m pytest -q -ra tests/test_sharding_gpu.py
+      run bench_tp 560 python3 benchmarks/bench_model.py --tp 1 2 --ms ${TP_MS:-1 4 16 64} \
+           --results "$OUT/RESULTS_tp.md" --json "$OUT/bench_tp.json" ;;
     overhead)  # a step's time outside the kernels, with XLA's command buffers on (default) and off
       for flags in "" "--xla_gpu_enable_command_buffer=" "--xla_gpu_graph_min_graph_size=1"; do
         XLA_FLAGS="$flags" timeout 200 python3 benchmarks/step_overhead.py --m ${OVERHEAD_M:-1} \
