@@ -1,4 +1,4 @@
-"""The functional public API (docs/spec.md section 5), on top of :mod:`jax_fp4.primitives`.
+"""The functional public API (docs/spec.md section 5), on top of :mod:`jax_fp4.prims`.
 
 Each function validates its arguments (ValueError/TypeError naming the argument, the
 expected and the actual value), moves the blocked axis last, flattens to the canonical
@@ -13,7 +13,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import layout, primitives, reference, stochastic, validate
+from . import layout, reference, stochastic, validate
+from .prims._common import get_backend
+from .prims.dequantize import dequantize_p
+from .prims.fake_quantize import fake_quantize_p
+from .prims.quantize import _swizzle, quantize_p
+from .prims.scaled_matmul import scaled_matmul_operand, scaled_matmul_p
+from .prims.tensor_scale import auto_tensor_scale
+from .prims.wmatmul import wmatmul_p
 from .formats import get_format
 from .qarray import QArray
 from .sharding import with_out_sharding
@@ -76,7 +83,7 @@ def _tensor_scale(tensor_scale, x):
         if tensor_scale != "auto":
             raise ValueError(f"tensor_scale: expected None, 'auto' or a float32 scalar, got "
                              f"{tensor_scale!r}")
-        return primitives.auto_tensor_scale(x.reshape(-1, x.shape[-1]))
+        return auto_tensor_scale(x.reshape(-1, x.shape[-1]))
     validate.check_real_scalar(tensor_scale, "tensor_scale")
     ts = jnp.asarray(tensor_scale)
     if ts.shape != ():
@@ -109,7 +116,7 @@ def _row_ts(ts, rows):
 def _quant_params(f, block_size, scale_rounding, ts, scale_dtype):
     return dict(fmt=f.name, block_size=block_size, rceil=scale_rounding == "rceil",
                 two_level=ts is not None, scale_dtype=scale_dtype,
-                impl=primitives.get_backend())
+                impl=get_backend())
 
 
 def _quantize_args(x, format, axis, block_size, tensor_scale, scale_layout, scale_rounding,
@@ -172,9 +179,9 @@ def quantize(x, format="nvfp4", *, axis=-1, tensor_scale=None, block_size=None,
         codes, scales, zeros = stochastic.quantize_sr_p.bind(
             x2, _row_ts(ts, rows), stochastic.random_bits(key, rows, k), **params)
         if scale_layout == "swizzled":
-            scales = primitives._swizzle(scales)
+            scales = _swizzle(scales)
     else:
-        codes, scales, zeros = primitives.quantize_p.bind(
+        codes, scales, zeros = quantize_p.bind(
             x2, _row_ts(ts, rows), swizzled=scale_layout == "swizzled", **params)
     data = codes.reshape(rest + (codes.shape[-1],))
     if f.bits == 8:
@@ -252,9 +259,9 @@ def dequantize(q: QArray, dtype=None):
     _check_qarray(q, "q")
     dtype = validate.float_dtype(q.dtype if dtype is None else dtype, "dtype")
     bufs, rest, k = _qarray_rows(q)
-    y = primitives.dequantize_p.bind(
+    y = dequantize_p.bind(
         *bufs, fmt=q.format, block_size=q.block_size, k=k, dtype=dtype,
-        two_level=q.tensor_scale is not None, impl=primitives.get_backend())
+        two_level=q.tensor_scale is not None, impl=get_backend())
     return _from_rows(y, rest, q.axis)
 
 
@@ -351,7 +358,7 @@ def fake_quantize(x, format="nvfp4", *, axis=-1, tensor_scale=None, block_size=N
                                 dtype=x.dtype, two_level=ts is not None,
                                 impl=params["impl"]), **params)
         return _from_rows(y, rest, axis)
-    y = primitives.fake_quantize_p.bind(x2, _row_ts(ts, rows), ste=ste, **params)
+    y = fake_quantize_p.bind(x2, _row_ts(ts, rows), ste=ste, **params)
     return _from_rows(y, rest, axis)
 
 
@@ -456,10 +463,10 @@ def _weight_matmul(x, w: QArray, x_axis, precision, out_dtype):
     if x2.shape[1] != k:
         raise ValueError(f"lhs: contracting dimension has size {x2.shape[1]}, the QArray's "
                          f"blocked axis has size {k}")
-    y = primitives.wmatmul_p.bind(
+    y = wmatmul_p.bind(
         x2, *bufs, fmt=w.format, block_size=w.block_size, two_level=w.tensor_scale is not None,
         out_dtype=out_dtype, precision=precision, tiled=w.scale_layout == "tiled",
-        impl=primitives.get_backend())
+        impl=get_backend())
     return y.reshape(rest + (y.shape[-1],))
 
 
@@ -468,13 +475,10 @@ def matmul(x, w: QArray):
 
     On CUDA, with bf16/f16 x and a 4-bit weight (nvfp4, mxfp4, nf4, bnb_fp4, int4;
     K % 32 == 0; power-of-two block size), this runs the fused W4A16 kernel
-    (csrc/cuda/wmatmul.cu) for up to ``primitives.wgmma_max_m`` rows of x on a Hopper
-    GPU with an sm_90a build (4096 for one-level nvfp4, int4 with scales in x's dtype and
-    mxfp4 with bf16 x; 2048 for nf4, bnb_fp4, two-level nvfp4, mxfp4 with f16 x and int4
-    with f16 scales and bf16 x; 1024 for int4 with other scale dtypes; any M for a weight
-    through ``jax_fp4.prepare``; ``primitives.FUSED_MAX_M`` rows elsewhere);
-    otherwise dequantize + XLA dot. The size rule and its measurements:
-    jax_fp4/primitives.py, benchmarks/RESULTS.md.
+    (csrc/cuda/wmatmul.cu) up to a number of rows of x that depends on the GPU, the
+    format and the dtypes (any M for a weight through ``jax_fp4.prepare`` on a Hopper GPU
+    with an sm_90a build); otherwise dequantize + XLA dot. The launch policy and why:
+    docs/kernels.md; the measurements behind it: benchmarks/RESULTS.md.
 
     Returns:
       (..., N) array in the promoted dtype of x and ``w.dtype``.
@@ -550,9 +554,9 @@ def scaled_matmul(a: QArray, b: QArray, *, alpha=None, bias=None, out_dtype=jnp.
     # one-level NVFP4 decodes as two-level with a tensor scale of exactly 1
     ats = ats if a.tensor_scale is not None else jnp.ones_like(ats)
     bts = bts if b.tensor_scale is not None else jnp.ones_like(bts)
-    return primitives.scaled_matmul_p.bind(
+    return scaled_matmul_p.bind(
         ac, asc, ats, bc, bsc, bts, alpha, bias.astype(jnp.float32), a_fmt=a.format,
-        b_fmt=b.format, k=k, out_dtype=out_dtype, impl=primitives.get_backend())
+        b_fmt=b.format, k=k, out_dtype=out_dtype, impl=get_backend())
 
 
 def scaled_matmul_operands(q: QArray):
@@ -574,7 +578,7 @@ def scaled_matmul_operands(q: QArray):
         raise ValueError(f"q: expected a 2-D nvfp4 or MX QArray blocked along axis 1, got "
                          f"{q.format!r} of shape {q.shape} blocked along axis {q.axis}")
     (codes, scales, _, _), _, k = _qarray_rows(q)
-    data, s = primitives.scaled_matmul_operand(codes, scales, q.format, k)
+    data, s = scaled_matmul_operand(codes, scales, q.format, k)
     return data, s, q.tensor_scale
 
 

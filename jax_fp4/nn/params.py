@@ -217,8 +217,8 @@ def quantize_params(tree, format: str = "nvfp4", *, filter: Filter = None, axis=
         (:func:`jax_fp4.prepare`: 4-bit weights with N and K multiples of 128 where
         jax_fp4.layout.tileable allows; bit-identical results, faster on a Hopper GPU at
         every M measured, a copy per call elsewhere). None (default): where the wgmma
-        kernel can run on the default device (``jax_fp4.primitives.wgmma_available()``:
-        an sm_90 GPU and a build for sm_90a), else not.
+        kernel, which reads that layout as it is, runs on the default device (an sm_90
+        GPU and a build for sm_90a), else not.
       method: how the weights are rounded (:mod:`jax_fp4.ptq`, docs/ptq.md): "rtn"
         (round to nearest, default), "mse" (MSE-optimal block scales), "gptq" (GPTQ
         error feedback; needs ``calibration``) or "awq" (activation-aware channel scaling
@@ -240,9 +240,9 @@ def quantize_params(tree, format: str = "nvfp4", *, filter: Filter = None, axis=
     """
     f, kw = _quant_kwargs(format, block_size, tensor_scale, scale_rounding, scale_dtype)
     if prepare is None:
-        from ..primitives import wgmma_available
+        from ..prims.wmatmul import prepared_layout_native
 
-        prepare = wgmma_available()
+        prepare = prepared_layout_native()
     if method != "rtn" or calibration is not None or ptq_options is not None:
         from ..ptq.api import quantize_params_ptq
 
