@@ -115,6 +115,28 @@ class Format:
         return self.family in ("nvfp4", "mx")
 
     @property
+    def has_scale_rounding(self) -> bool:
+        """Whether the block scale's rounding is a choice ("floor" or "rceil": OCP MX)."""
+        return self.family == "mx"
+
+    @property
+    def scale_dtype_per_call(self) -> bool:
+        """Whether the block scales' dtype is chosen per call (INT4: x's dtype by default,
+        or any float dtype; the others have one fixed scale dtype, ``scale_dtype``)."""
+        return self.scale_dtype is None
+
+    def default_scale_dtype(self, x_dtype):
+        """The block-scale dtype a call chooses when given none: x's dtype where it is
+        chosen per call (INT4), else None (the format's fixed ``scale_dtype``)."""
+        return np.dtype(x_dtype) if self.scale_dtype_per_call else None
+
+    @property
+    def nan_scale(self):
+        """The block scale that marks a block holding NaN or Inf: the NaN code of the
+        scale's minifloat (E4M3 0x7F, E8M0 0xFF), else a float NaN."""
+        return {"nvfp4": 0x7F, "mx": 0xFF}.get(self.family, np.nan)
+
+    @property
     def scale_bits_dtype(self):
         """The dtype of the block-scale bits (float8_e4m3fn, float8_e8m0fnu) for
         minifloat scales, else None."""

@@ -15,13 +15,13 @@ from jax import lax
 
 from . import layout, reference, stochastic, validate
 from .prims._common import get_backend
-from .prims.dequantize import dequantize_p
 from .prims.fake_quantize import fake_quantize_p
 from .prims.quantize import _swizzle, quantize_p
 from .prims.scaled_matmul import scaled_matmul_operand, scaled_matmul_p
 from .prims.tensor_scale import auto_tensor_scale
 from .prims.wmatmul import wmatmul_p
 from .formats import get_format
+from ._rows import _from_rows, _qarray_rows, _row_ts, _to_rows, dequantize_qarray
 from .qarray import QArray
 from .sharding import with_out_sharding
 
@@ -61,18 +61,18 @@ def _check_options(f, x_dtype, tensor_scale, scale_layout, scale_rounding, scale
                          f"{scale_layout!r} (the 'tiled' layout comes from jax_fp4.prepare)")
     if scale_rounding not in _ROUNDINGS:
         raise ValueError(f"scale_rounding: expected one of {_ROUNDINGS}, got {scale_rounding!r}")
-    if scale_rounding == "rceil" and f.family != "mx":
+    if scale_rounding == "rceil" and not f.has_scale_rounding:
         raise ValueError(f"scale_rounding: 'rceil' applies to MX formats only, got format "
                          f"{f.name!r}")
-    if tensor_scale is not None and f.family != "nvfp4":
+    if tensor_scale is not None and not f.has_tensor_scale:
         raise ValueError(f"tensor_scale: only nvfp4 has a per-tensor scale, got format "
                          f"{f.name!r} with tensor_scale={tensor_scale!r}")
     if scale_dtype is not None:
-        if f.family != "int4":
+        if not f.scale_dtype_per_call:
             raise ValueError(f"scale_dtype: only int4 scales have a choice of dtype, got "
                              f"format {f.name!r}")
         return validate.float_dtype(scale_dtype, "scale_dtype")
-    return np.dtype(x_dtype) if f.family == "int4" else None
+    return f.default_scale_dtype(x_dtype)
 
 
 def _tensor_scale(tensor_scale, x):
@@ -97,22 +97,7 @@ def _tensor_scale(tensor_scale, x):
     return ts
 
 
-# ------------------------------------------------------------------------ canonical view
-def _to_rows(x, axis):
-    """Logical array -> (rows, K) with the blocked axis last, plus the moved shape."""
-    xm = jnp.moveaxis(x, axis, -1)
-    rest = xm.shape[:-1]
-    return xm.reshape(math.prod(rest), xm.shape[-1]), rest
-
-
-def _from_rows(y, rest, axis):
-    return jnp.moveaxis(y.reshape(rest + (y.shape[-1],)), -1, axis)
-
-
-def _row_ts(ts, rows):
-    return jnp.zeros((rows,), jnp.float32) if ts is None else jnp.broadcast_to(ts, (rows,))
-
-
+# ------------------------------------------------------------------------ quantize
 def _quant_params(f, block_size, scale_rounding, ts, scale_dtype):
     return dict(fmt=f.name, block_size=block_size, rceil=scale_rounding == "rceil",
                 two_level=ts is not None, scale_dtype=scale_dtype,
@@ -186,12 +171,12 @@ def quantize(x, format="nvfp4", *, axis=-1, tensor_scale=None, block_size=None,
     data = codes.reshape(rest + (codes.shape[-1],))
     if f.bits == 8:
         data = lax.bitcast_convert_type(data, f.elem.np_dtype)
-    if f.family in ("nvfp4", "mx"):
+    if f.minifloat_scales:
         scales = lax.bitcast_convert_type(scales, f.scale_dtype)
     if scale_layout == "linear":
         scales = scales.reshape(rest + (scales.shape[-1],))
     return QArray(data, scales, ts, zeros.reshape(rest + (zeros.shape[-1],))
-                  if f.family == "int4" else None, format=f.name, axis=axis, shape=x.shape,
+                  if f.has_zeros else None, format=f.name, axis=axis, shape=x.shape,
                   dtype=x.dtype, block_size=params["block_size"], scale_layout=scale_layout)
 
 
@@ -211,39 +196,6 @@ def _check_qarray(q, name):
         raise TypeError(f"{name}: expected a QArray, got {type(q).__name__}")
 
 
-def _qarray_rows(q: QArray, keep_tiled=False):
-    """QArray -> canonical buffers (codes, scales, zeros, ts rows) + (rest, K).
-
-    keep_tiled: leave the codes and scales of a "tiled" QArray in that layout (for the
-    fused kernel), else they come back linear."""
-    f = q.fmt
-    data = q.data
-    if data.dtype != jnp.uint8:
-        data = lax.bitcast_convert_type(data, jnp.uint8)
-    rest = tuple(data.shape[:-1])
-    rows = math.prod(rest)
-    k = q.shape[q.axis]
-    nb = k // q.block_size
-    scales, zeros = q.scales, q.zeros
-    if q.scale_layout == "tiled" and not keep_tiled:
-        data, scales, zeros = layout.untile_weight(data, scales, zeros, q.block_size)
-    codes = data.reshape(rows, data.shape[-1])
-    if q.scale_layout == "swizzled":
-        if q._dropped:
-            raise ValueError("q: swizzled scales cannot be vmapped/scanned; use "
-                             "scale_layout='linear' for stacked QArrays")
-        scales = layout.from_blocked(scales, (rows, nb))
-    else:
-        scales = scales.reshape(rows, nb)
-    if f.family in ("nvfp4", "mx"):
-        scales = lax.bitcast_convert_type(scales, jnp.uint8)
-    zeros = (zeros.reshape(rows, nb) if f.family == "int4"
-             else jnp.zeros((0,), jnp.uint8))
-    ts = q.tensor_scale
-    ts_rows = _row_ts(None if ts is None else jnp.asarray(ts, jnp.float32), rows)
-    return (codes, scales, zeros, ts_rows), rest, k
-
-
 def dequantize(q: QArray, dtype=None):
     """Decode a :class:`QArray` to a dense array.
 
@@ -258,11 +210,7 @@ def dequantize(q: QArray, dtype=None):
     """
     _check_qarray(q, "q")
     dtype = validate.float_dtype(q.dtype if dtype is None else dtype, "dtype")
-    bufs, rest, k = _qarray_rows(q)
-    y = dequantize_p.bind(
-        *bufs, fmt=q.format, block_size=q.block_size, k=k, dtype=dtype,
-        two_level=q.tensor_scale is not None, impl=get_backend())
-    return _from_rows(y, rest, q.axis)
+    return dequantize_qarray(q, dtype)
 
 
 def prepare(q: QArray) -> QArray:
@@ -379,7 +327,7 @@ def tensor_scale_from_amax(amax, format="nvfp4"):
         (traced values follow the reference: NaN in, NaN out).
     """
     f = get_format(format)
-    if f.family != "nvfp4":
+    if not f.has_tensor_scale:
         raise ValueError(f"format: only nvfp4 has a per-tensor scale, got {f.name!r}")
     validate.check_real_scalar(amax, "amax")
     try:
@@ -497,9 +445,6 @@ def matmul(x, w: QArray):
     return dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())))
 
 
-_SCALED_FAMILIES = ("nvfp4", "mx")
-
-
 def scaled_matmul(a: QArray, b: QArray, *, alpha=None, bias=None, out_dtype=jnp.bfloat16):
     """Block-scaled matmul ``D = alpha * A @ B^T + bias`` (W4A4 / W8A8).
 
@@ -526,7 +471,7 @@ def scaled_matmul(a: QArray, b: QArray, *, alpha=None, bias=None, out_dtype=jnp.
         if q.ndim != 2 or q.axis != 1:
             raise ValueError(f"{name}: expected a 2-D QArray blocked along axis 1 (K), got "
                              f"shape {q.shape} blocked along axis {q.axis}")
-        if q.fmt.family not in _SCALED_FAMILIES:
+        if not q.fmt.minifloat_scales:
             raise ValueError(f"{name}: scaled_matmul takes nvfp4 or MX formats, got "
                              f"{q.format!r}")
         if q.block_size != q.fmt.default_block:
@@ -574,7 +519,7 @@ def scaled_matmul_operands(q: QArray):
       ValueError: q is not 2-D blocked along axis 1, or not nvfp4 / MX.
     """
     _check_qarray(q, "q")
-    if q.ndim != 2 or q.axis != 1 or q.fmt.family not in _SCALED_FAMILIES:
+    if q.ndim != 2 or q.axis != 1 or not q.fmt.minifloat_scales:
         raise ValueError(f"q: expected a 2-D nvfp4 or MX QArray blocked along axis 1, got "
                          f"{q.format!r} of shape {q.shape} blocked along axis {q.axis}")
     (codes, scales, _, _), _, k = _qarray_rows(q)

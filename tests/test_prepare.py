@@ -10,7 +10,8 @@ import jax_fp4 as jf
 from jax_fp4 import layout
 from jax_fp4.prims import _gpu
 from jax_fp4.io import safetensors as st
-from jax_fp4.nn.params import quantize_params, transpose_2d
+from jax_fp4.nn.params import transpose_2d
+from jax_fp4.nn.quantize import quantize_params
 
 CASES = [("nvfp4", {}), ("nvfp4", {"tensor_scale": "auto"}), ("mxfp4", {}),
          ("int4", {}), ("int4", {"block_size": 32, "scale_dtype": jnp.bfloat16}),
