@@ -119,3 +119,11 @@ def test_module_level_import_graph_is_acyclic():
     """The imports run when a module is imported form no circle, with no exception."""
     cycle = _cycle(_edges(_modules(), module_level_only=True))
     assert cycle is None, "import circle at module level: " + " -> ".join(cycle)
+
+
+def test_public_modules_do_not_import_the_launch_policy():
+    """The CUDA launch policy is private to the W4A16 primitive: the public API and the
+    layers reach it only through jax_fp4.prims.wmatmul."""
+    edges = _edges(_modules())
+    users = {m for m, e in edges.items() if "jax_fp4.prims._launch_plan" in e}
+    assert users == {"jax_fp4.prims.wmatmul"}, users

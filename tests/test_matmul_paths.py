@@ -94,7 +94,7 @@ def test_wmatmul_tile_rule():
         want = [1, 1, 1 if fmt in ("nf4", "bnb_fp4") else 2]  # the table decode: never
         assert [LP.wmatmul_cluster(fmt, m, t) for m, t in
                 ((4096, 128), (129, 256), (4096, 256))] == want, fmt
-        # a prepared weight: never (faster without, benchmarks/log/NOTES.md round 19)
+        # a prepared weight: never (it runs faster without: benchmarks/RESULTS.md)
         assert LP.wmatmul_cluster(fmt, 4096, 256, tiled=True) == 1, fmt
 
 
@@ -120,7 +120,7 @@ def test_wmatmul_grid_rule():
     partial sums of up to twice the codes' bytes and splits of >= 2 steps: then fewer
     splits, then the larger tile. Elsewhere the plain tile and splits."""
     grid = LP.wmatmul_grid
-    cases = {  # (M, K, N): the grid's (tile_m, splits); H100 times in RESULTS.md round 8 C
+    cases = {  # (M, K, N): the grid's (tile_m, splits); H100 times in benchmarks/RESULTS.md
         (256, 4096, 4096): (128, 2),  # 32 CTAs -> 128
         (512, 4096, 4096): (128, 1),  # 64 -> 128, no splits (t256 s2 fills as much)
         (128, 4096, 4096): (128, 4),  # 32 -> 128
