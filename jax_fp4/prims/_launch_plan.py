@@ -143,7 +143,9 @@ def wmatmul_decode(fmt, x_dtype, two_level, scale_dtype):
     mxfp4, int4 with scales in x's dtype), "split" (int4 with f16 scales and bf16 x,
     AWQ's scales in a bf16 model: the bit path with each scale split into two bf16
     factors) or "table" (a shared-memory table and float32 arithmetic: everything else).
-    The C++ rule is the definition; tests/test_matmul_paths.py pins this copy to it."""
+    The C++ rule is the definition and this a copy (x's pairing must match it): a
+    disagreement shows as wrong products in tests/test_cuda_matmul.py, which runs every
+    decode path on a GPU."""
     x_dtype, s = np.dtype(x_dtype), np.dtype(scale_dtype)
     if fmt in ("nvfp4", "mxfp4"):  # nvfp4's per-tensor scale multiplies the accumulator
         return "bits"
