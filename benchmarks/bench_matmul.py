@@ -16,6 +16,7 @@ RESULTS.md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import re
@@ -25,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_fp4 as jf
-from jax_fp4 import primitives
+from jax_fp4.prims import _gpu, _launch_plan
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_quant import L2_BYTES, copy_roof, device_time  # noqa: E402
@@ -122,28 +123,24 @@ def bench_w4a16(args, roof, rows):
 def bench_rule(shape, m, fmt, xs, q, r, t_bf16, rows):
     """One format at one M on each W4A16 path: wgmma kernel, mma.sync kernel, dequantize
     + dot (rows labelled 'FMT (rule)')."""
-    names = ("FUSED_MAX_M", "FUSED_MAX_M_WGMMA", "FUSED_MAX_M_WGMMA_FOLDED",
-             "FUSED_MAX_M_WGMMA_DECODE", "gpu_props")
-    saved = [getattr(primitives, a) for a in names]
-    have_wgmma = primitives.wgmma_available()
-    real = primitives.gpu_props()
+    tuning, props = _launch_plan.TUNING, _gpu.gpu_props
+    real = props()
     try:
         for label, limit, wgmma in (("fused wgmma", 1 << 30, True), ("fused mma", 1 << 30, False),
                                     ("dequant+dot", 0, False)):
-            if wgmma and not have_wgmma:
+            if wgmma and not real.wgmma:
                 continue
-            primitives.FUSED_MAX_M = primitives.FUSED_MAX_M_WGMMA_FOLDED = limit
-            primitives.FUSED_MAX_M_WGMMA = dict.fromkeys(primitives.FUSED_FORMATS, limit)
-            primitives.FUSED_MAX_M_WGMMA_DECODE = {}
-            primitives.gpu_props = lambda ctx=None, cc=9 if wgmma else 8: primitives.GpuProps(cc, real.sm_count)
+            _launch_plan.TUNING = dataclasses.replace(
+                tuning, max_m_mma_sync=limit, max_m_wgmma_folded=limit,
+                max_m_wgmma=dict.fromkeys(tuning.formats, limit), max_m_wgmma_decode={})
+            _gpu.gpu_props = lambda ctx=None, cc=9 if wgmma else 8: _gpu.GpuProps(cc, real.sm_count)
             t = timed(per_weight(jf.matmul, len(xs)), (*xs, *q), r)
             rows.append((shape, m, f"{fmt} (rule)", label, t * 1e6, t_bf16 * 1e6,
                          t_bf16 / t, float("nan"), float("nan"), float("nan")))
             print(f"{shape:11s} M={m:5d} {fmt} rule {label:11s} {t * 1e6:9.1f} us "
                   f"x{t_bf16 / t:5.2f} vs bf16", flush=True)
     finally:
-        for a, v in zip(names, saved):
-            setattr(primitives, a, v)
+        _launch_plan.TUNING, _gpu.gpu_props = tuning, props
 
 
 def bench_scaled(args, rows):

@@ -13,6 +13,7 @@ are not hidden inside XLA's memory pool; set it for racecheck too: without it ra
 of compute-sanitizer 2025.3.1 segfaulted at start under jax 0.11.2, benchmarks/RESULTS.md
 round 8 E).
 """
+import dataclasses
 import sys
 
 import jax
@@ -20,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_fp4 as jf
-from jax_fp4 import layout, primitives
+from jax_fp4 import layout
+from jax_fp4.prims import _launch_plan
 
 jf.set_backend("kernels")
 rng = np.random.default_rng(0)
@@ -57,12 +59,13 @@ for fmt, bs, kw in cases if "quant" in parts else []:
 # at 300; the mma.sync kernels where wgmma cannot run),
 # K not a multiple of 128 (the lanes load the scales), and K = 2048 (the wgmma kernel's
 # scale boxes), N not a multiple of 128; M = 200 and 300 on the grid that
-# primitives.wmatmul_grid picks for this small weight (128-row tiles: it fills under half
-# of the GPU) besides the plain tiles (_GRID_MIN_FILL = 0)
+# _launch_plan.wmatmul_grid picks for this small weight (128-row tiles: it fills under half
+# of the GPU) besides the plain tiles (Tuning.grid_min_fill = 0)
 mm_cases = [("nvfp4", 16, {}), ("nvfp4", 16, {"tensor_scale": "auto"}), ("mxfp4", 32, {}),
             ("nf4", 64, {}), ("bnb_fp4", 32, {}), ("int4", 32, {}), ("int4", 128, {}),
             ("int4", 128, {"scale_dtype": jnp.bfloat16}), ("int4", 16, {"scale_dtype": jnp.float16})]
-grid_fill = primitives._GRID_MIN_FILL
+tuning = _launch_plan.TUNING
+grid_fill = tuning.grid_min_fill
 small = "matmul8" in parts
 mm_parts = mm_cases if "matmul" in parts or small else []
 linear_ms = ((1, 0), (4, 0)) if small else ((1, 0), (4, 0), (13, 0), (33, 0), (100, 0), (300, 0),
@@ -73,13 +76,13 @@ for fmt, bs, kw in mm_parts:
                         block_size=bs, **kw)
         for dtype in (jnp.bfloat16, jnp.float16):
             for m, fill in linear_ms:
-                if fill != primitives._GRID_MIN_FILL:  # the grid is chosen at lowering time
-                    primitives._GRID_MIN_FILL = fill
+                if fill != _launch_plan.TUNING.grid_min_fill:  # the grid is chosen at lowering time
+                    _launch_plan.TUNING = dataclasses.replace(tuning, grid_min_fill=fill)
                     jax.clear_caches()
                 progress(f"matmul {fmt} bs={bs} {kw} K={k} {dtype.__name__} M={m} fill={fill}")
                 jax.block_until_ready(jf.matmul(jnp.asarray(rng.standard_normal((m, k)), dtype), q))
                 n += 1
-            primitives._GRID_MIN_FILL = grid_fill
+            _launch_plan.TUNING = tuning
 # the prepared layout (jax_fp4.prepare: 1-D bulk copies) of every case it applies to: N =
 # 256, K = 1152 (9 steps: a stage of two reaching past K) and 2048, every tile width from 8
 # to 256

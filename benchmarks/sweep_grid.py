@@ -1,6 +1,6 @@
 """Device time of the fused W4A16 kernel over its grid choices (tile_m, K-splits), forced
 one at a time, against the size rule's own choice and bf16 ``jnp.dot`` -- the
-measurement behind primitives.wmatmul_grid's split limits.
+measurement behind jax_fp4.prims._launch_plan.wmatmul_grid's split limits.
 
 Same method as bench_matmul.py (one jitted function over R distinct weights, GPU kernel
 time from the profiler / R, so the XLA sum of the partials is included);
@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_fp4 as jf
-from jax_fp4 import primitives
+from jax_fp4.prims import _gpu, _launch_plan
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_matmul import per_weight, timed, weight_bytes  # noqa: E402
@@ -35,7 +35,8 @@ def main(argv=None):
     ap.add_argument("--splits", nargs="+", type=int, default=[1, 2, 4, 8, 16])
     args = ap.parse_args(argv)
     key = jax.random.key(0)
-    rule = primitives.wmatmul_grid
+    rule = _launch_plan.wmatmul_grid
+    gpu = _gpu.gpu_props()
     for shape in args.shapes:
         k, n = (int(v) for v in shape.split("x"))
         r = min(32, max(4, -(-4 * L2_BYTES // weight_bytes("nvfp4", k, n))))
@@ -44,20 +45,20 @@ def main(argv=None):
         for m in args.ms:
             x = jax.random.normal(jax.random.fold_in(key, 1000 + m), (m, k), jnp.bfloat16)
             t_bf16 = timed(per_weight(jnp.matmul, 1), (x, *ws), r)
-            tile, s_rule = rule(m, n, k)
+            tile, s_rule = rule(m, n, k, gpu.wgmma, gpu.sm_count)
             print(f"{shape:11s} M={m:4d} bf16 {t_bf16 * 1e6:8.1f} us; rule: tile {tile}, "
                   f"splits {s_rule}", flush=True)
             steps = -(-k // 128)
             for fmt in args.formats:
                 qs = [jf.quantize(w, fmt, axis=0) for w in ws]
                 for s in args.splits:
-                    if s > steps or not primitives.splits_fill_steps(steps, s):
+                    if s > steps or not _launch_plan.splits_fill_steps(steps, s):
                         continue
-                    primitives.wmatmul_grid = lambda *a, s=s, **kw: (rule(*a, **kw)[0], s)
+                    _launch_plan.wmatmul_grid = lambda *a, s=s, **kw: (rule(*a, **kw)[0], s)
                     try:
                         t = timed(per_weight(jf.matmul, 1), (x, *qs), r)
                     finally:
-                        primitives.wmatmul_grid = rule
+                        _launch_plan.wmatmul_grid = rule
                     mark = " (rule)" if s == s_rule else ""
                     print(f"{shape:11s} M={m:4d} {fmt:6s} S={s:3d} {t * 1e6:8.1f} us "
                           f"x{t_bf16 / t:5.2f} vs bf16{mark}", flush=True)

@@ -1,11 +1,15 @@
 // nanobind module jax_fp4._native: hands the FFI handler symbols to Python.
 //   registrations() -> {target_name: {platform: capsule}}   (platform "cpu" / "CUDA")
 //   build_info()    -> {"version", "cuda", "cuda_archs", "compiler", ...}
+//   format_table()  -> [{"fid", "name", "bits", "mx", "codebook", "values"}, ...]: the format
+//                      ids and element decodes of codecs.h, which jax_fp4/_ext.py checks
+//                      against jax_fp4/formats.py at load
 // jax_fp4/_ext.py registers the capsules with jax.ffi.register_ffi_target.
 #include <nanobind/nanobind.h>
 
 #include <string>
 
+#include "codecs.h"
 #include "cpu/handlers.h"
 #ifdef JAX_FP4_WITH_CUDA
 #include "cuda/handlers.h"
@@ -70,6 +74,51 @@ nb::dict build_info() {
   return info;
 }
 
+// The float value of every element code of format FMT, as the kernels decode it.
+template <int FMT>
+nb::list element_values() {
+  nb::list values;
+  for (uint32_t c = 0; c < (1u << jf4::elem_bits(FMT)); ++c) {
+    if constexpr (jf4::is_codebook(FMT)) {
+      values.append(jf4::Codebook<FMT>::value(c));
+    } else if constexpr (FMT == jf4::kINT4) {
+      values.append(static_cast<float>(c));
+    } else if constexpr (FMT == jf4::kNVFP4) {
+      values.append(jf4::e2m1_decode(c));
+    } else {
+      values.append(jf4::MxElem<FMT>::decode(c));
+    }
+  }
+  return values;
+}
+
+template <int FMT>
+void add_format(nb::list& table, const char* name) {
+  nb::dict f;
+  f["fid"] = FMT;
+  f["name"] = name;
+  f["bits"] = jf4::elem_bits(FMT);
+  f["mx"] = jf4::is_mx(FMT);
+  f["codebook"] = jf4::is_codebook(FMT);
+  f["values"] = element_values<FMT>();
+  table.append(f);
+}
+
+nb::list format_table() {
+  nb::list table;
+  add_format<jf4::kNVFP4>(table, "nvfp4");
+  add_format<jf4::kMXFP4>(table, "mxfp4");
+  add_format<jf4::kMXFP6_E2M3>(table, "mxfp6_e2m3");
+  add_format<jf4::kMXFP6_E3M2>(table, "mxfp6_e3m2");
+  add_format<jf4::kMXFP8_E4M3>(table, "mxfp8_e4m3");
+  add_format<jf4::kMXFP8_E5M2>(table, "mxfp8_e5m2");
+  add_format<jf4::kNF4>(table, "nf4");
+  add_format<jf4::kBNB_FP4>(table, "bnb_fp4");
+  add_format<jf4::kINT4>(table, "int4");
+  static_assert(jf4::kNumFmts == 9, "format_table: list every format of codecs.h");
+  return table;
+}
+
 }  // namespace
 
 NB_MODULE(_native, m) {
@@ -77,4 +126,6 @@ NB_MODULE(_native, m) {
   m.def("registrations", &registrations,
         "{target_name: {platform: PyCapsule(XLA_FFI_Handler*)}} for every built handler.");
   m.def("build_info", &build_info, "Build configuration of the extension.");
+  m.def("format_table", &format_table,
+        "The format ids, element bits, families and element code values of codecs.h.");
 }

@@ -9,7 +9,7 @@ from .formats import FORMAT_NAMES, Format, get_format
 from .ops import (dequantize, dot_general, fake_quantize, from_blocked, matmul, prepare,
                   quantize, scaled_matmul, scaled_matmul_operands, tensor_scale_from_amax,
                   to_blocked, unprepare)
-from .primitives import get_backend, set_backend
+from .prims._common import get_backend, set_backend
 from .qarray import QArray
 
 __version__ = "0.1.0"

@@ -5,6 +5,11 @@ extension (an ImportError or any other failure means "no kernels", and the reaso
 kept for :func:`load_error`) and registers every handler once with
 ``jax.ffi.register_ffi_target`` (platform ``"cpu"`` or ``"CUDA"``). Target names,
 buffers and attributes are the contract in ``csrc/README.md``.
+
+Before registering anything it checks that the extension's formats (``format_table()``:
+the ids, element bits, families and element code values of ``csrc/codecs.h``) agree with
+:mod:`jax_fp4.formats`; an extension that disagrees (or predates the check) registers
+nothing, and :func:`load_error` says why.
 """
 
 from __future__ import annotations
@@ -12,7 +17,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-__all__ = ["has_kernels", "registered_targets", "build_info", "load_error"]
+__all__ = ["has_kernels", "registered_targets", "build_info", "load_error",
+           "format_table_problems"]
 
 _NATIVE_MODULE = "jax_fp4._native"
 _PLATFORM_NAMES = {"cpu": "cpu", "host": "cpu", "cuda": "CUDA", "gpu": "CUDA"}
@@ -37,8 +43,14 @@ def _load() -> None:
             native = importlib.import_module(_NATIVE_MODULE)
             regs = native.registrations()
             _info = dict(native.build_info())
+            problems = format_table_problems(native.format_table())
         except Exception as e:  # ImportError, missing symbols, ABI mismatch, ...
             _error = f"cannot import {_NATIVE_MODULE}: {type(e).__name__}: {e}"
+            _loaded = True
+            return
+        if problems:
+            _error = (f"{_NATIVE_MODULE}'s formats (csrc/codecs.h) disagree with "
+                      f"jax_fp4/formats.py: " + "; ".join(problems))
             _loaded = True
             return
         import jax.ffi
@@ -57,6 +69,50 @@ def _load() -> None:
         if problems:
             _error = "some FFI targets could not be registered: " + "; ".join(problems)
         _loaded = True
+
+
+def format_table_problems(table) -> list[str]:
+    """How the extension's format table (``_native.format_table()``: a list of dicts with
+    fid, name, bits, mx, codebook, values) differs from :mod:`jax_fp4.formats`: format
+    ids and names, element bits, the MX and codebook families, and the value of every
+    element code (minifloat decodes, codebook tables, INT4 codes 0..15), compared bit for
+    bit (NaNs by NaN-ness). An empty list when they agree."""
+    import numpy as np
+
+    from . import formats
+
+    problems = []
+    native = {int(row["fid"]): row for row in table}
+    python = {f.fid: f for f in (formats.get_format(n) for n in formats.FORMAT_NAMES)}
+    for fid in sorted(set(native) | set(python)):
+        row, f = native.get(fid), python.get(fid)
+        if row is None or f is None:
+            problems.append(f"format id {fid}: {row['name'] if row else f.name!r} exists only "
+                            f"in {'the extension' if row else 'formats.py'}")
+            continue
+        if row["name"] != f.name:
+            problems.append(f"format id {fid}: {row['name']!r} in the extension, {f.name!r} in "
+                            f"formats.py")
+            continue
+        if int(row["bits"]) != f.bits:
+            problems.append(f"{f.name}: {row['bits']}-bit elements in the extension, {f.bits} "
+                            f"in formats.py")
+        if bool(row["mx"]) != (f.family == "mx") or bool(row["codebook"]) != (f.family == "codebook"):
+            problems.append(f"{f.name}: family {f.family!r} in formats.py, the extension says "
+                            f"mx={row['mx']}, codebook={row['codebook']}")
+        if f.table is not None:
+            want = f.table
+        elif f.elem is not None:
+            want = formats.decode_table(f.elem)
+        else:
+            want = np.arange(1 << f.bits, dtype=np.float32)
+        got = np.asarray(row["values"], np.float32)
+        same = got.shape == want.shape and np.array_equal(np.isnan(got), np.isnan(want))
+        # non-NaN codes bit for bit (signed zeros, infinities); NaNs by NaN-ness alone
+        if not same or not np.array_equal(got.view(np.uint32)[~np.isnan(got)],
+                                          want.view(np.uint32)[~np.isnan(want)]):
+            problems.append(f"{f.name}: element code values differ")
+    return problems
 
 
 def has_kernels(platform: str, target: str | None = None) -> bool:

@@ -89,7 +89,7 @@ def _quantize_tree(tensors, args, axis, ts):
     ValueError when nothing else was quantized, else one note on stderr."""
     import warnings
 
-    from .nn.params import quantize_params
+    from .nn.quantize import quantize_params
 
     calibration, options = _calibration(args, tensors)
     with warnings.catch_warnings(record=True) as caught:

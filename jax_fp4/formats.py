@@ -98,6 +98,64 @@ class Format:
     table: Optional[np.ndarray] = None
 
     @property
+    def has_zeros(self) -> bool:
+        """Whether blocks carry a uint8 zero point (INT4, asymmetric; AutoAWQ)."""
+        return self.family == "int4"
+
+    @property
+    def has_tensor_scale(self) -> bool:
+        """Whether a float32 per-tensor scale may multiply the block scales (NVFP4's
+        two-level scaling)."""
+        return self.family == "nvfp4"
+
+    @property
+    def minifloat_scales(self) -> bool:
+        """Whether block scales are 8-bit float codes stored as uint8 bits (E4M3 for
+        NVFP4, E8M0 for MX), bounding each block's range at max_elem * scale."""
+        return self.family in ("nvfp4", "mx")
+
+    @property
+    def has_scale_rounding(self) -> bool:
+        """Whether the block scale's rounding is a choice ("floor" or "rceil": OCP MX)."""
+        return self.family == "mx"
+
+    @property
+    def scale_dtype_per_call(self) -> bool:
+        """Whether the block scales' dtype is chosen per call (INT4: x's dtype by default,
+        or any float dtype; the others have one fixed scale dtype, ``scale_dtype``)."""
+        return self.scale_dtype is None
+
+    def default_scale_dtype(self, x_dtype):
+        """The block-scale dtype a call chooses when given none: x's dtype where it is
+        chosen per call (INT4), else None (the format's fixed ``scale_dtype``)."""
+        return np.dtype(x_dtype) if self.scale_dtype_per_call else None
+
+    @property
+    def nan_scale(self):
+        """The block scale that marks a block holding NaN or Inf: the NaN code of the
+        scale's minifloat (E4M3 0x7F, E8M0 0xFF), else a float NaN."""
+        return {"nvfp4": 0x7F, "mx": 0xFF}.get(self.family, np.nan)
+
+    @property
+    def scale_bits_dtype(self):
+        """The dtype of the block-scale bits (float8_e4m3fn, float8_e8m0fnu) for
+        minifloat scales, else None."""
+        return self.scale_dtype if self.minifloat_scales else None
+
+    def scale_buffer_dtype(self, scale_dtype=None) -> np.dtype:
+        """dtype of the block-scale buffer of the FFI / reference layout (csrc/README.md):
+        uint8 bits for NVFP4 / MX, float32 absmax for codebooks, ``scale_dtype`` for INT4
+        (chosen per call).
+
+        Raises:
+          ValueError: INT4 without ``scale_dtype``."""
+        if self.family == "int4":
+            if scale_dtype is None:
+                raise ValueError("scale_dtype: int4 group scales need a dtype, got None")
+            return np.dtype(scale_dtype)
+        return np.dtype(np.float32) if self.family == "codebook" else np.dtype(np.uint8)
+
+    @property
     def data_dtype(self):
         """dtype of ``QArray.data``: the float8 dtype for MXFP8, packed uint8 otherwise."""
         return self.elem.np_dtype if self.bits == 8 else np.dtype(np.uint8)

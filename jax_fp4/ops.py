@@ -1,4 +1,4 @@
-"""The functional public API (docs/spec.md section 5), on top of :mod:`jax_fp4.primitives`.
+"""The functional public API (docs/spec.md section 5), on top of :mod:`jax_fp4.prims`.
 
 Each function validates its arguments (ValueError/TypeError naming the argument, the
 expected and the actual value), moves the blocked axis last, flattens to the canonical
@@ -13,8 +13,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import layout, primitives, reference, stochastic, validate
+from . import layout, reference, stochastic, validate
+from .prims._common import get_backend
+from .prims.fake_quantize import fake_quantize_p
+from .prims.quantize import _swizzle, quantize_p
+from .prims.scaled_matmul import scaled_matmul_operand, scaled_matmul_p
+from .prims.tensor_scale import auto_tensor_scale
+from .prims.wmatmul import wmatmul_p
 from .formats import get_format
+from ._rows import _from_rows, _qarray_rows, _row_ts, _to_rows, dequantize_qarray
 from .qarray import QArray
 from .sharding import with_out_sharding
 
@@ -54,18 +61,18 @@ def _check_options(f, x_dtype, tensor_scale, scale_layout, scale_rounding, scale
                          f"{scale_layout!r} (the 'tiled' layout comes from jax_fp4.prepare)")
     if scale_rounding not in _ROUNDINGS:
         raise ValueError(f"scale_rounding: expected one of {_ROUNDINGS}, got {scale_rounding!r}")
-    if scale_rounding == "rceil" and f.family != "mx":
+    if scale_rounding == "rceil" and not f.has_scale_rounding:
         raise ValueError(f"scale_rounding: 'rceil' applies to MX formats only, got format "
                          f"{f.name!r}")
-    if tensor_scale is not None and f.family != "nvfp4":
+    if tensor_scale is not None and not f.has_tensor_scale:
         raise ValueError(f"tensor_scale: only nvfp4 has a per-tensor scale, got format "
                          f"{f.name!r} with tensor_scale={tensor_scale!r}")
     if scale_dtype is not None:
-        if f.family != "int4":
+        if not f.scale_dtype_per_call:
             raise ValueError(f"scale_dtype: only int4 scales have a choice of dtype, got "
                              f"format {f.name!r}")
         return validate.float_dtype(scale_dtype, "scale_dtype")
-    return np.dtype(x_dtype) if f.family == "int4" else None
+    return f.default_scale_dtype(x_dtype)
 
 
 def _tensor_scale(tensor_scale, x):
@@ -76,7 +83,7 @@ def _tensor_scale(tensor_scale, x):
         if tensor_scale != "auto":
             raise ValueError(f"tensor_scale: expected None, 'auto' or a float32 scalar, got "
                              f"{tensor_scale!r}")
-        return primitives.auto_tensor_scale(x.reshape(-1, x.shape[-1]))
+        return auto_tensor_scale(x.reshape(-1, x.shape[-1]))
     validate.check_real_scalar(tensor_scale, "tensor_scale")
     ts = jnp.asarray(tensor_scale)
     if ts.shape != ():
@@ -90,26 +97,11 @@ def _tensor_scale(tensor_scale, x):
     return ts
 
 
-# ------------------------------------------------------------------------ canonical view
-def _to_rows(x, axis):
-    """Logical array -> (rows, K) with the blocked axis last, plus the moved shape."""
-    xm = jnp.moveaxis(x, axis, -1)
-    rest = xm.shape[:-1]
-    return xm.reshape(math.prod(rest), xm.shape[-1]), rest
-
-
-def _from_rows(y, rest, axis):
-    return jnp.moveaxis(y.reshape(rest + (y.shape[-1],)), -1, axis)
-
-
-def _row_ts(ts, rows):
-    return jnp.zeros((rows,), jnp.float32) if ts is None else jnp.broadcast_to(ts, (rows,))
-
-
+# ------------------------------------------------------------------------ quantize
 def _quant_params(f, block_size, scale_rounding, ts, scale_dtype):
     return dict(fmt=f.name, block_size=block_size, rceil=scale_rounding == "rceil",
                 two_level=ts is not None, scale_dtype=scale_dtype,
-                impl=primitives.get_backend())
+                impl=get_backend())
 
 
 def _quantize_args(x, format, axis, block_size, tensor_scale, scale_layout, scale_rounding,
@@ -172,19 +164,19 @@ def quantize(x, format="nvfp4", *, axis=-1, tensor_scale=None, block_size=None,
         codes, scales, zeros = stochastic.quantize_sr_p.bind(
             x2, _row_ts(ts, rows), stochastic.random_bits(key, rows, k), **params)
         if scale_layout == "swizzled":
-            scales = primitives._swizzle(scales)
+            scales = _swizzle(scales)
     else:
-        codes, scales, zeros = primitives.quantize_p.bind(
+        codes, scales, zeros = quantize_p.bind(
             x2, _row_ts(ts, rows), swizzled=scale_layout == "swizzled", **params)
     data = codes.reshape(rest + (codes.shape[-1],))
     if f.bits == 8:
         data = lax.bitcast_convert_type(data, f.elem.np_dtype)
-    if f.family in ("nvfp4", "mx"):
+    if f.minifloat_scales:
         scales = lax.bitcast_convert_type(scales, f.scale_dtype)
     if scale_layout == "linear":
         scales = scales.reshape(rest + (scales.shape[-1],))
     return QArray(data, scales, ts, zeros.reshape(rest + (zeros.shape[-1],))
-                  if f.family == "int4" else None, format=f.name, axis=axis, shape=x.shape,
+                  if f.has_zeros else None, format=f.name, axis=axis, shape=x.shape,
                   dtype=x.dtype, block_size=params["block_size"], scale_layout=scale_layout)
 
 
@@ -204,39 +196,6 @@ def _check_qarray(q, name):
         raise TypeError(f"{name}: expected a QArray, got {type(q).__name__}")
 
 
-def _qarray_rows(q: QArray, keep_tiled=False):
-    """QArray -> canonical buffers (codes, scales, zeros, ts rows) + (rest, K).
-
-    keep_tiled: leave the codes and scales of a "tiled" QArray in that layout (for the
-    fused kernel), else they come back linear."""
-    f = q.fmt
-    data = q.data
-    if data.dtype != jnp.uint8:
-        data = lax.bitcast_convert_type(data, jnp.uint8)
-    rest = tuple(data.shape[:-1])
-    rows = math.prod(rest)
-    k = q.shape[q.axis]
-    nb = k // q.block_size
-    scales, zeros = q.scales, q.zeros
-    if q.scale_layout == "tiled" and not keep_tiled:
-        data, scales, zeros = layout.untile_weight(data, scales, zeros, q.block_size)
-    codes = data.reshape(rows, data.shape[-1])
-    if q.scale_layout == "swizzled":
-        if q._dropped:
-            raise ValueError("q: swizzled scales cannot be vmapped/scanned; use "
-                             "scale_layout='linear' for stacked QArrays")
-        scales = layout.from_blocked(scales, (rows, nb))
-    else:
-        scales = scales.reshape(rows, nb)
-    if f.family in ("nvfp4", "mx"):
-        scales = lax.bitcast_convert_type(scales, jnp.uint8)
-    zeros = (zeros.reshape(rows, nb) if f.family == "int4"
-             else jnp.zeros((0,), jnp.uint8))
-    ts = q.tensor_scale
-    ts_rows = _row_ts(None if ts is None else jnp.asarray(ts, jnp.float32), rows)
-    return (codes, scales, zeros, ts_rows), rest, k
-
-
 def dequantize(q: QArray, dtype=None):
     """Decode a :class:`QArray` to a dense array.
 
@@ -251,11 +210,7 @@ def dequantize(q: QArray, dtype=None):
     """
     _check_qarray(q, "q")
     dtype = validate.float_dtype(q.dtype if dtype is None else dtype, "dtype")
-    bufs, rest, k = _qarray_rows(q)
-    y = primitives.dequantize_p.bind(
-        *bufs, fmt=q.format, block_size=q.block_size, k=k, dtype=dtype,
-        two_level=q.tensor_scale is not None, impl=primitives.get_backend())
-    return _from_rows(y, rest, q.axis)
+    return dequantize_qarray(q, dtype)
 
 
 def prepare(q: QArray) -> QArray:
@@ -351,7 +306,7 @@ def fake_quantize(x, format="nvfp4", *, axis=-1, tensor_scale=None, block_size=N
                                 dtype=x.dtype, two_level=ts is not None,
                                 impl=params["impl"]), **params)
         return _from_rows(y, rest, axis)
-    y = primitives.fake_quantize_p.bind(x2, _row_ts(ts, rows), ste=ste, **params)
+    y = fake_quantize_p.bind(x2, _row_ts(ts, rows), ste=ste, **params)
     return _from_rows(y, rest, axis)
 
 
@@ -372,7 +327,7 @@ def tensor_scale_from_amax(amax, format="nvfp4"):
         (traced values follow the reference: NaN in, NaN out).
     """
     f = get_format(format)
-    if f.family != "nvfp4":
+    if not f.has_tensor_scale:
         raise ValueError(f"format: only nvfp4 has a per-tensor scale, got {f.name!r}")
     validate.check_real_scalar(amax, "amax")
     try:
@@ -456,10 +411,10 @@ def _weight_matmul(x, w: QArray, x_axis, precision, out_dtype):
     if x2.shape[1] != k:
         raise ValueError(f"lhs: contracting dimension has size {x2.shape[1]}, the QArray's "
                          f"blocked axis has size {k}")
-    y = primitives.wmatmul_p.bind(
+    y = wmatmul_p.bind(
         x2, *bufs, fmt=w.format, block_size=w.block_size, two_level=w.tensor_scale is not None,
         out_dtype=out_dtype, precision=precision, tiled=w.scale_layout == "tiled",
-        impl=primitives.get_backend())
+        impl=get_backend())
     return y.reshape(rest + (y.shape[-1],))
 
 
@@ -468,13 +423,10 @@ def matmul(x, w: QArray):
 
     On CUDA, with bf16/f16 x and a 4-bit weight (nvfp4, mxfp4, nf4, bnb_fp4, int4;
     K % 32 == 0; power-of-two block size), this runs the fused W4A16 kernel
-    (csrc/cuda/wmatmul.cu) for up to ``primitives.wgmma_max_m`` rows of x on a Hopper
-    GPU with an sm_90a build (4096 for one-level nvfp4, int4 with scales in x's dtype and
-    mxfp4 with bf16 x; 2048 for nf4, bnb_fp4, two-level nvfp4, mxfp4 with f16 x and int4
-    with f16 scales and bf16 x; 1024 for int4 with other scale dtypes; any M for a weight
-    through ``jax_fp4.prepare``; ``primitives.FUSED_MAX_M`` rows elsewhere);
-    otherwise dequantize + XLA dot. The size rule and its measurements:
-    jax_fp4/primitives.py, benchmarks/RESULTS.md.
+    (csrc/cuda/wmatmul.cu) up to a number of rows of x that depends on the GPU, the
+    format and the dtypes (any M for a weight through ``jax_fp4.prepare`` on a Hopper GPU
+    with an sm_90a build); otherwise dequantize + XLA dot. The launch policy and why:
+    docs/kernels.md; the measurements behind it: benchmarks/RESULTS.md.
 
     Returns:
       (..., N) array in the promoted dtype of x and ``w.dtype``.
@@ -491,9 +443,6 @@ def matmul(x, w: QArray):
         raise ValueError(f"x: expected a last axis of K={w.shape[0]} (w is {w.shape}), got "
                          f"shape {x.shape}")
     return dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())))
-
-
-_SCALED_FAMILIES = ("nvfp4", "mx")
 
 
 def scaled_matmul(a: QArray, b: QArray, *, alpha=None, bias=None, out_dtype=jnp.bfloat16):
@@ -522,7 +471,7 @@ def scaled_matmul(a: QArray, b: QArray, *, alpha=None, bias=None, out_dtype=jnp.
         if q.ndim != 2 or q.axis != 1:
             raise ValueError(f"{name}: expected a 2-D QArray blocked along axis 1 (K), got "
                              f"shape {q.shape} blocked along axis {q.axis}")
-        if q.fmt.family not in _SCALED_FAMILIES:
+        if not q.fmt.minifloat_scales:
             raise ValueError(f"{name}: scaled_matmul takes nvfp4 or MX formats, got "
                              f"{q.format!r}")
         if q.block_size != q.fmt.default_block:
@@ -550,9 +499,9 @@ def scaled_matmul(a: QArray, b: QArray, *, alpha=None, bias=None, out_dtype=jnp.
     # one-level NVFP4 decodes as two-level with a tensor scale of exactly 1
     ats = ats if a.tensor_scale is not None else jnp.ones_like(ats)
     bts = bts if b.tensor_scale is not None else jnp.ones_like(bts)
-    return primitives.scaled_matmul_p.bind(
+    return scaled_matmul_p.bind(
         ac, asc, ats, bc, bsc, bts, alpha, bias.astype(jnp.float32), a_fmt=a.format,
-        b_fmt=b.format, k=k, out_dtype=out_dtype, impl=primitives.get_backend())
+        b_fmt=b.format, k=k, out_dtype=out_dtype, impl=get_backend())
 
 
 def scaled_matmul_operands(q: QArray):
@@ -570,11 +519,11 @@ def scaled_matmul_operands(q: QArray):
       ValueError: q is not 2-D blocked along axis 1, or not nvfp4 / MX.
     """
     _check_qarray(q, "q")
-    if q.ndim != 2 or q.axis != 1 or q.fmt.family not in _SCALED_FAMILIES:
+    if q.ndim != 2 or q.axis != 1 or not q.fmt.minifloat_scales:
         raise ValueError(f"q: expected a 2-D nvfp4 or MX QArray blocked along axis 1, got "
                          f"{q.format!r} of shape {q.shape} blocked along axis {q.axis}")
     (codes, scales, _, _), _, k = _qarray_rows(q)
-    data, s = primitives.scaled_matmul_operand(codes, scales, q.format, k)
+    data, s = scaled_matmul_operand(codes, scales, q.format, k)
     return data, s, q.tensor_scale
 
 

@@ -133,9 +133,10 @@ class QArray:
     def dequantize(self, dtype=None):
         """Decode to a dense array of ``dtype`` (default ``self.dtype``); see
         :func:`jax_fp4.dequantize`."""
-        from .ops import dequantize
+        from ._rows import dequantize_qarray
 
-        return dequantize(self, dtype)
+        return dequantize_qarray(self, validate.float_dtype(self.dtype if dtype is None else dtype,
+                                                            "dtype"))
 
     def __repr__(self):
         ts = "" if self.tensor_scale is None else ", tensor_scale"

@@ -305,14 +305,8 @@ def _blocks(x, block_size):
 def _empty_outputs(f: Format, r, k, block_size, scale_dtype):
     nb = k // block_size
     codes = jnp.zeros((r, k * f.bits // 8), jnp.uint8)
-    zeros = jnp.zeros((r, nb) if f.family == "int4" else (0,), jnp.uint8)
-    return codes, jnp.zeros((r, nb), _scale_buffer_dtype(f, scale_dtype)), zeros
-
-
-def _scale_buffer_dtype(f: Format, scale_dtype):
-    if f.family == "int4":
-        return jnp.dtype(scale_dtype)
-    return jnp.dtype(jnp.float32) if f.family == "codebook" else jnp.dtype(jnp.uint8)
+    zeros = jnp.zeros((r, nb) if f.has_zeros else (0,), jnp.uint8)
+    return codes, jnp.zeros((r, nb), f.scale_buffer_dtype(scale_dtype)), zeros
 
 
 def quantize_2d(x, fmt, block_size, *, tensor_scale=None, rceil=False, scale_dtype=None,
@@ -343,7 +337,7 @@ def quantize_2d(x, fmt, block_size, *, tensor_scale=None, rceil=False, scale_dty
     r, k = x.shape
     f.check_block_size(block_size, k)
     if scale_dtype is None:
-        scale_dtype = x.dtype if f.family == "int4" else None
+        scale_dtype = f.default_scale_dtype(x.dtype)
     if x.size == 0:
         return _empty_outputs(f, r, k, block_size, scale_dtype)
     xb = _blocks(x, block_size)
@@ -360,8 +354,7 @@ def quantize_2d(x, fmt, block_size, *, tensor_scale=None, rceil=False, scale_dty
     else:
         codes, scales, zeros = _quantize_int4(xb, jnp.dtype(scale_dtype), rb)
         zeros = jnp.where(bad, 0, zeros).astype(jnp.uint8)
-    nan_scale = {"nvfp4": 0x7F, "mx": 0xFF}.get(f.family, np.nan)
-    scales = jnp.where(bad, jnp.asarray(nan_scale, scales.dtype), scales)
+    scales = jnp.where(bad, jnp.asarray(f.nan_scale, scales.dtype), scales)
     codes = jnp.where(bad[..., None], 0, codes).astype(jnp.uint8)
     return layout.pack(codes.reshape(r, k), f.bits), scales, zeros
 
@@ -577,16 +570,15 @@ def quantize_2d_with_scales(x, fmt, block_size, scales, zeros=None, *, tensor_sc
     f.check_block_size(block_size, k)
     xb = _blocks(x, block_size)
     bad = jnp.max(xb & 0x7FFFFFFF, axis=-1) >= 0x7F800000
-    if f.family == "int4":
+    if f.has_zeros:
         zeros = jnp.where(bad, 0, jnp.asarray(zeros)).astype(jnp.uint8)
     else:
         zeros = jnp.zeros((0,), jnp.uint8)
     codes = encode_blocks(jnp.where(bad[..., None], 0, xb), f, scales, zeros,
                           tensor_scale=tensor_scale)
-    if f.family == "nvfp4":
+    if f.has_tensor_scale:
         scales = _mask_nvfp4_scales(scales, tensor_scale)
-    nan_scale = {"nvfp4": 0x7F, "mx": 0xFF}.get(f.family, np.nan)
-    scales = jnp.where(bad, jnp.asarray(nan_scale, scales.dtype), scales)
+    scales = jnp.where(bad, jnp.asarray(f.nan_scale, scales.dtype), scales)
     codes = jnp.where(bad[..., None], 0, codes).astype(jnp.uint8)
     return layout.pack(codes.reshape(r, k), f.bits), scales, zeros
 
@@ -605,7 +597,7 @@ def dequantize_2d(codes, scales, zeros, fmt, block_size, k, dtype, *, tensor_sca
     if codes.dtype != jnp.uint8:
         codes = lax.bitcast_convert_type(codes, jnp.uint8)
     c = layout.unpack(codes, f.bits).reshape(r, k // block_size, block_size)
-    if scales.dtype != jnp.uint8 and f.family in ("nvfp4", "mx"):
+    if scales.dtype != jnp.uint8 and f.minifloat_scales:
         scales = lax.bitcast_convert_type(scales, jnp.uint8)
     y = decode_blocks(c, f, scales, zeros, tensor_scale=tensor_scale)
     return round_f32_to(y.reshape(r, k), dtype)

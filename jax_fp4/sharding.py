@@ -145,7 +145,7 @@ def tensor_parallel_specs(tree, axis: str = "model", *, column: str = MEGATRON_C
       pytree of tree's structure with PartitionSpec leaves (QArrays of specs for QArrays,
       see :func:`qarray_partition_specs`).
     """
-    from .nn.params import contraction_axis, path_str
+    from .tree_paths import contraction_axis, path_str
 
     def spec(path, leaf):
         p = path_str(path)

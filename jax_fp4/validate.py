@@ -208,7 +208,7 @@ def _arraylike(v):
 
 
 def _scale_dtypes(f):
-    if f.family == "int4":
+    if f.scale_dtype_per_call:
         return FLOAT_DTYPES
     return (np.dtype(f.scale_dtype),)
 
@@ -225,10 +225,10 @@ def check_leaves(fmt, axis, shape, block_size, scale_layout, data, scales, tenso
     f = get_format(fmt)
     k = shape[axis]
     nb = k // block_size
-    if f.family != "int4" and zeros is not None and _arraylike(zeros):
+    if not f.has_zeros and zeros is not None and _arraylike(zeros):
         raise ValueError(f"QArray zeros: only int4 has zero points, got format {f.name!r} with "
                          f"zeros of shape {zeros.shape}")
-    if f.family != "nvfp4" and tensor_scale is not None and _arraylike(tensor_scale):
+    if not f.has_tensor_scale and tensor_scale is not None and _arraylike(tensor_scale):
         raise ValueError(f"QArray tensor_scale: only nvfp4 has a per-tensor scale, got format "
                          f"{f.name!r}")
     if not _arraylike(data):
@@ -263,7 +263,7 @@ def check_leaves(fmt, axis, shape, block_size, scale_layout, data, scales, tenso
         elif tuple(scales.shape) != rest + (nb,):
             raise ValueError(f"QArray scales: expected shape {rest + (nb,)} (one per block of "
                              f"{block_size}), got {scales.shape}")
-    if f.family == "int4":
+    if f.has_zeros:
         if zeros is None:
             raise ValueError("QArray zeros: int4 needs zero points, got None")
         if _arraylike(zeros):
@@ -272,7 +272,7 @@ def check_leaves(fmt, axis, shape, block_size, scale_layout, data, scales, tenso
             if tuple(zeros.shape) != rest + (nb,):
                 raise ValueError(f"QArray zeros: expected shape {rest + (nb,)}, got "
                                  f"{zeros.shape}")
-    if f.family == "nvfp4" and _arraylike(tensor_scale):
+    if f.has_tensor_scale and _arraylike(tensor_scale):
         if np.dtype(tensor_scale.dtype) != np.float32:
             raise TypeError(f"QArray tensor_scale: expected a float32 scalar, got dtype "
                             f"{tensor_scale.dtype}")

@@ -103,10 +103,10 @@ def test_swizzled_scales_under_vmap(rng):
 
 
 def test_auto_tensor_scale_primitive(rng):
-    """primitives.auto_tensor_scale == reference.tensor_scale_from_amax(reference.amax(x))
+    """auto_tensor_scale == reference.tensor_scale_from_amax(reference.amax(x))
     (NaN wins, subnormals exact, zeros give 1.0), per member under vmap, no tangent;
     tensor_scale="auto" uses it and stays differentiable (STE)."""
-    from jax_fp4 import primitives
+    from jax_fp4.prims.tensor_scale import auto_tensor_scale
     x = rng.standard_normal((4, 40, 64)).astype(np.float32)
     x[1, 2, 3] = -1e-40
     x[2] *= 1e-38
@@ -116,8 +116,8 @@ def test_auto_tensor_scale_primitive(rng):
     want = [np.asarray(reference.tensor_scale_from_amax(reference.amax(xs[i]))) for i in range(4)]
     assert want[3] == 1.0
     for i in range(4):
-        assert_bits_equal(jax.jit(primitives.auto_tensor_scale)(xs[i]), want[i], f"member {i}")
-    assert_bits_equal(jax.vmap(primitives.auto_tensor_scale)(xs), np.stack(want), "vmap")
+        assert_bits_equal(jax.jit(auto_tensor_scale)(xs[i]), want[i], f"member {i}")
+    assert_bits_equal(jax.vmap(auto_tensor_scale)(xs), np.stack(want), "vmap")
     g = jax.grad(lambda t: jnp.sum(jf.fake_quantize(t, "nvfp4", tensor_scale="auto")))(xs[0])
     assert np.asarray(g).shape == x[0].shape and np.isfinite(np.asarray(g)).all()
 

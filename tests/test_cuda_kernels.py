@@ -95,7 +95,8 @@ def test_cuda_auto_tensor_scale_matches_reference(dtype, rng):
     """jax_fp4_tensor_scale_v1 == reference.tensor_scale_from_amax(reference.amax(x)):
     subnormals (scale clamped to 2^-120), zeros (1.0), -0.0, Inf, NaN, a K that is not a
     multiple of 16 (the kernel's scalar tail), many CTAs."""
-    from jax_fp4 import primitives, reference
+    from jax_fp4 import reference
+    from jax_fp4.prims.tensor_scale import auto_tensor_scale
     for shape, special in [((3, 13), None), ((1000, 1000), "inf"), ((4096, 520), "nan"),
                            ((7, 9), "sub"), ((5, 48), "zero")]:
         x = rng.standard_normal(shape).astype(np.float32) * 100
@@ -107,11 +108,11 @@ def test_cuda_auto_tensor_scale_matches_reference(dtype, rng):
             x.flat[rng.integers(x.size)] = -np.inf if special == "inf" else np.nan
         x.flat[rng.integers(x.size)] = -0.0
         xd = jnp.asarray(x).astype(dtype)
-        got = _run(primitives.auto_tensor_scale, xd, "kernels", _gpu())
+        got = _run(auto_tensor_scale, xd, "kernels", _gpu())
         want = _run(lambda v: reference.tensor_scale_from_amax(reference.amax(v)), xd,
                     "reference", _cpu())
         assert_bits_equal(got, want, f"tensor scale {dtype.__name__} {shape} {special}")
-    text = jax.jit(primitives.auto_tensor_scale).lower(jax.device_put(xd, _gpu())).as_text()
+    text = jax.jit(auto_tensor_scale).lower(jax.device_put(xd, _gpu())).as_text()
     assert "jax_fp4_tensor_scale_v1" in text
 
 

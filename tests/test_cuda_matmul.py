@@ -5,6 +5,8 @@ float64 sum of x * w over k, and the GPU result must lie within float32-accumula
 rounding of it: |got - exact| <= K * 2^-22 * sum_k |x w| (a wrong index, scale or
 rounding shows up as an error of the order of sum_k |x w| itself).
 """
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +14,10 @@ import pytest
 
 import jax_fp4 as jf
 from edge import make_input
-from jax_fp4 import formats, layout, primitives
+from jax_fp4 import formats, layout
+from jax_fp4.prims import _gpu as G, _launch_plan as LP, wmatmul as W
+from jax_fp4.prims._common import _attrs
+from jax_fp4.prims.scaled_matmul import scaled_matmul_cudnn
 
 pytestmark = pytest.mark.gpu
 
@@ -21,15 +26,15 @@ def _require_wgmma(needed=True):
     """The CUDA kernels are loaded (a GPU test fails, not skips, without them); where the
     test needs the wgmma kernel, skip on GPUs or builds without sm_90a."""
     assert jf.capabilities()["kernels"]["cuda"], jf.capabilities()["load_error"]
-    if needed and not primitives.wgmma_available():
+    if needed and not G.wgmma_available():
         pytest.skip("the wgmma kernel needs a compute capability 9.0 GPU and an sm_90a build")
 
 
 def _mma_only(monkeypatch):
     """Lower for the mma.sync kernels that GPUs without wgmma run (the lowering reads the
-    target GPU's properties through primitives.gpu_props)."""
-    sms = primitives.gpu_props().sm_count
-    monkeypatch.setattr(primitives, "gpu_props", lambda ctx=None: primitives.GpuProps(8, sms))
+    target GPU's properties through jax_fp4.prims._gpu.gpu_props)."""
+    sms = G.gpu_props().sm_count
+    monkeypatch.setattr(G, "gpu_props", lambda ctx=None: G.GpuProps(8, sms))
 
 
 # Every decode path of csrc/cuda/wmatmul.cu: the bit path (nvfp4 one level, mxfp4 with bf16
@@ -55,7 +60,12 @@ SHAPES = [(1, 384, 200), (13, 1056, 136), (4, 4096, 520), (17, 416, 264), (33, 6
           (100, 384, 198), (300, 1056, 264)]
 
 
-_GRID_MIN_FILL = primitives._GRID_MIN_FILL
+_TUNING = LP.TUNING
+
+
+def _tune(monkeypatch, **fields):
+    """Lower with these fields of the launch policy's tuning table replaced."""
+    monkeypatch.setattr(LP, "TUNING", dataclasses.replace(LP.TUNING, **fields))
 
 
 @pytest.fixture(autouse=True)
@@ -64,9 +74,9 @@ def _plain_grid():
     trade 256-row tiles for 128-row ones and add K-splits: keep the plain tile and split
     rule so that every tile width stays tested (test_fused_wgmma_grid_small_weights tests
     wmatmul_grid's choices)."""
-    primitives._GRID_MIN_FILL = 0.0
+    LP.TUNING = dataclasses.replace(_TUNING, grid_min_fill=0.0)
     yield
-    primitives._GRID_MIN_FILL = _GRID_MIN_FILL
+    LP.TUNING = _TUNING
 
 
 def _gpu():
@@ -153,7 +163,8 @@ def _check_fused(fmt, bs, kw, dtype, m, k, n, family, rng, splits=None, cluster=
                                               preferred_element_type=jnp.float32))
     text = f32.lower(xg, qg).as_text()
     assert "jax_fp4_wmatmul_v3" in text, f"{fmt} M={m} K={k}: fused kernel not used"
-    want_tile = primitives.wmatmul_grid(m, n, k)[0]
+    g = G.gpu_props()
+    want_tile = LP.wmatmul_grid(m, n, k, g.wgmma, g.sm_count)[0]
     assert f"tile_m = {want_tile} " in text, (m, want_tile)
     assert (want_tile > 0) == (family == "wgmma"), m
     if splits is not None:
@@ -180,7 +191,7 @@ def test_fused_wmatmul_matches_reference(fmt, bs, kw, dtype, family, rng, monkey
     _require_wgmma(family == "wgmma")
     if family == "mma":
         _mma_only(monkeypatch)
-    monkeypatch.setattr(primitives, "FUSED_MAX_M", 1 << 30)  # every M fused
+    _tune(monkeypatch, max_m_mma_sync=1 << 30)  # every M fused
     for m, k, n in SHAPES:
         _check_fused(fmt, bs, kw, dtype, m, k, n, family, rng)
 
@@ -213,7 +224,7 @@ def test_fused_wmatmul_decode_bit_exact(fmt, bs, kw, dtype, family, rng, monkeyp
     _require_wgmma(family == "wgmma")
     if family == "mma":
         _mma_only(monkeypatch)
-    monkeypatch.setattr(primitives, "FUSED_MAX_M", 1 << 30)
+    _tune(monkeypatch, max_m_mma_sync=1 << 30)
     k, n = 256, 256
     w = (rng.standard_normal((k, n)) * 10.0 ** rng.integers(-3, 3, size=(1, n))).astype(np.float32)
     q = jf.quantize(jax.device_put(jnp.asarray(w), _cpu()), fmt, axis=0, block_size=bs, **kw)
@@ -240,9 +251,9 @@ def test_fused_int4_split_scale_specials(family, rng, monkeypatch):
     _require_wgmma(family == "wgmma")
     if family == "mma":
         _mma_only(monkeypatch)
-    monkeypatch.setattr(primitives, "FUSED_MAX_M", 1 << 30)
+    _tune(monkeypatch, max_m_mma_sync=1 << 30)
     k, n, bs = 256, 136, 32
-    assert primitives.wmatmul_decode("int4", jnp.bfloat16, False, jnp.float16) == "split"
+    assert LP.wmatmul_decode("int4", jnp.bfloat16, False, jnp.float16) == "split"
     bits = rng.integers(0, 0x7c00, size=(n, k // bs), dtype=np.uint16)  # finite, >= 0
     bits |= (rng.random(bits.shape) < 0.5).astype(np.uint16) << 15  # either sign
     bits[0, :3] = (0x7bff, 0x0001, 0x03ff)  # 65504, the least subnormal, the largest one
@@ -272,7 +283,7 @@ def test_fused_mxfp4_every_scale_bit_exact(dtype, family, rng, monkeypatch):
     _require_wgmma(family == "wgmma")
     if family == "mma":
         _mma_only(monkeypatch)
-    monkeypatch.setattr(primitives, "FUSED_MAX_M", 1 << 30)
+    _tune(monkeypatch, max_m_mma_sync=1 << 30)
     k, n, r0 = 256, 256, 45
     codes = rng.integers(0, 256, size=(n, k // 2), dtype=np.uint8)
     codes[:, 16:32] = 0  # block 1 (k 32..63): +0 codes
@@ -306,7 +317,7 @@ def test_fused_mxfp4_scale_ranges(family, rng, monkeypatch):
     _require_wgmma(family == "wgmma")
     if family == "mma":
         _mma_only(monkeypatch)
-    monkeypatch.setattr(primitives, "FUSED_MAX_M", 1 << 30)
+    _tune(monkeypatch, max_m_mma_sync=1 << 30)
     for m, k, n in SHAPES:
         k = _k_for(k, 32)
         small = (rng.standard_normal((k, n)) * 0.05).astype(np.float32)
@@ -334,8 +345,8 @@ def test_fused_mxfp4_scale_ranges(family, rng, monkeypatch):
                          ids=str)
 def test_fused_wgmma_k_splits(fmt, bs, kw, dtype, splits, rng, monkeypatch):
     _require_wgmma()
-    monkeypatch.setattr(primitives, "FUSED_MAX_M", 1 << 30)
-    monkeypatch.setattr(primitives, "wmatmul_splits", lambda *a, **k: splits)
+    _tune(monkeypatch, max_m_mma_sync=1 << 30)
+    monkeypatch.setattr(LP, "wmatmul_splits", lambda *a, **k: splits)
     for k in (1056, 1152):
         for m in (5, 13, 17, 33, 100, 300):
             _check_fused(fmt, bs, kw, dtype, m, k, 200, "wgmma", rng, splits)
@@ -352,11 +363,11 @@ def test_fused_wgmma_k_splits(fmt, bs, kw, dtype, splits, rng, monkeypatch):
 @pytest.mark.parametrize("fmt,bs,kw,dtype", W_CASES, ids=str)
 def test_fused_wgmma_scale_boxes(fmt, bs, kw, dtype, rng, monkeypatch):
     _require_wgmma()
-    monkeypatch.setattr(primitives, "FUSED_MAX_M", 1 << 30)
+    _tune(monkeypatch, max_m_mma_sync=1 << 30)
     for m in (5, 13, 17, 33, 100):
         _check_fused(fmt, bs, kw, dtype, m, 2048, 200, "wgmma", rng)
     for splits in (3, 6):
-        monkeypatch.setattr(primitives, "wmatmul_splits", lambda *a, _s=splits, **k: _s)
+        monkeypatch.setattr(LP, "wmatmul_splits", lambda *a, _s=splits, **k: _s)
         for m in (5, 13):
             _check_fused(fmt, bs, kw, dtype, m, 2048, 200, "wgmma", rng, splits)
 
@@ -370,9 +381,9 @@ def test_fused_wgmma_scale_boxes(fmt, bs, kw, dtype, rng, monkeypatch):
 def test_fused_wgmma_multicast(fmt, bs, kw, dtype, rng, monkeypatch):
     _require_wgmma()
     for m, k, n, splits in ((300, 1056, 264, None), (129, 2048, 200, None), (520, 4096, 264, 3)):
-        monkeypatch.setattr(primitives, "_MULTICAST_MIN_M", dict.fromkeys(primitives.FUSED_FORMATS, 1))
+        _tune(monkeypatch, multicast_min_m=dict.fromkeys(_TUNING.formats, 1))
         if splits is not None:
-            monkeypatch.setattr(primitives, "wmatmul_splits", lambda *a, s=splits, **k: s)
+            monkeypatch.setattr(LP, "wmatmul_splits", lambda *a, s=splits, **k: s)
         _check_fused(fmt, bs, kw, dtype, m, k, n, "wgmma", rng, splits, cluster=2)
         kk = _k_for(k, bs)
         w = jnp.asarray(rng.standard_normal((kk, n)), jnp.float32)
@@ -380,7 +391,7 @@ def test_fused_wgmma_multicast(fmt, bs, kw, dtype, rng, monkeypatch):
         x = jax.device_put(jnp.asarray(rng.standard_normal((m, kk)), dtype), _gpu())
         got = {}
         for c, min_m in ((2, 1), (1, None)):
-            monkeypatch.setattr(primitives, "_MULTICAST_MIN_M", dict.fromkeys(primitives.FUSED_FORMATS, min_m))
+            _tune(monkeypatch, multicast_min_m=dict.fromkeys(_TUNING.formats, min_m))
             fn = jax.jit(lambda x, q: jf.matmul(x, q))  # a fresh trace for each rule
             assert f"cluster = {c} " in fn.lower(x, q).as_text(), (m, c)
             got[c] = np.asarray(fn(x, q), np.float32)
@@ -404,15 +415,14 @@ PREPARED_CASES = [c for c in W_CASES
 @pytest.mark.parametrize("fmt,bs,kw,dtype", PREPARED_CASES, ids=str)
 def test_fused_wgmma_prepared_layout(fmt, bs, kw, dtype, rng, monkeypatch):
     _require_wgmma()
-    monkeypatch.setattr(primitives, "FUSED_MAX_M", 1 << 30)
+    _tune(monkeypatch, max_m_mma_sync=1 << 30)
     cases = [(m, 1152, 256, s, None) for m in (1, 5, 13, 17, 33, 100, 300) for s in (None, 2, 5)]
     cases += [(m, 2048, 384, None, None) for m in (1, 16, 64)] + [(520, 2048, 384, 3, 2)]
-    rule = primitives.wmatmul_splits
+    rule = LP.wmatmul_splits
     for m, k, n, splits, cluster in cases:
-        monkeypatch.setattr(primitives, "wmatmul_splits",
+        monkeypatch.setattr(LP, "wmatmul_splits",
                             lambda *a, _s=splits, **kk: _s or rule(*a, **kk))
-        monkeypatch.setattr(primitives, "_MULTICAST_MIN_M_TILED",
-                            dict.fromkeys(primitives.FUSED_FORMATS, 1 if cluster else None))
+        _tune(monkeypatch, multicast_min_m_tiled=dict.fromkeys(_TUNING.formats, 1 if cluster else None))
         w = (rng.standard_normal((k, n)) * 10.0 ** rng.integers(-3, 3, size=(1, n))).astype(np.float32)
         q = jf.quantize(jax.device_put(jnp.asarray(w), _cpu()), fmt, axis=0, block_size=bs, **kw)
         qp = jf.prepare(q)
@@ -439,7 +449,7 @@ def test_prepared_weight_fused_past_linear_limit(fmt, bs, rng):
     layout takes dequantize + dot); M = that limit + 1 ends in a ragged 256-row tile."""
     _require_wgmma()
     k, n = 256, 256
-    m = primitives.wgmma_max_m(fmt) + 1
+    m = LP.wgmma_max_m(fmt) + 1
     w = (rng.standard_normal((k, n)) * 10.0 ** rng.integers(-3, 3, size=(1, n))).astype(np.float32)
     q = jf.quantize(jax.device_put(jnp.asarray(w), _cpu()), fmt, axis=0, block_size=bs)
     x = jax.device_put(jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16), _gpu())
@@ -483,28 +493,28 @@ def test_wmatmul_handler_rejects_foreign_block_size(fmt, bs):
     args = jax.device_put((jnp.ones((m, k), jnp.bfloat16), jnp.zeros((n, k // 2), jnp.uint8),
                            jnp.zeros((n, k // bs), jnp.uint8), jnp.zeros((0,), jnp.uint8),
                            jnp.ones((n,), jnp.float32)), _gpu())
-    call = jax.ffi.ffi_call(primitives._FUSED_TARGET,
+    call = jax.ffi.ffi_call(W._FUSED_TARGET,
                             jax.ShapeDtypeStruct((1, m, n), jnp.float32))
     with pytest.raises(Exception, match=rf"`block_size` = {bs}: the fused kernel decodes nvfp4"):
         jax.block_until_ready(jax.jit(lambda *a: call(
-            *a, **primitives._attrs(fmt, bs, two_level=False), splits=np.int64(1),
+            *a, **_attrs(fmt, bs, two_level=False), splits=np.int64(1),
             tile_m=np.int64(0), cluster=np.int64(1), tiled=np.int32(0)))(*args))
     # jax_fp4_wmatmul_v2 (artifacts from before the `tiled` attribute) still binds
     v2 = jax.ffi.ffi_call("jax_fp4_wmatmul_v2", jax.ShapeDtypeStruct((1, m, n), jnp.float32))
     with pytest.raises(Exception, match=rf"`block_size` = {bs}: the fused kernel decodes nvfp4"):
         jax.block_until_ready(jax.jit(lambda *a: v2(
-            *a, **primitives._attrs(fmt, bs, two_level=False), splits=np.int64(1),
+            *a, **_attrs(fmt, bs, two_level=False), splits=np.int64(1),
             tile_m=np.int64(0), cluster=np.int64(1)))(*args))
     # jax_fp4_wmatmul_v1 (artifacts from before the `cluster` attribute) still binds
     v1 = jax.ffi.ffi_call("jax_fp4_wmatmul_v1", jax.ShapeDtypeStruct((1, m, n), jnp.float32))
     with pytest.raises(Exception, match=rf"`block_size` = {bs}: the fused kernel decodes nvfp4"):
         jax.block_until_ready(jax.jit(lambda *a: v1(
-            *a, **primitives._attrs(fmt, bs, two_level=False), splits=np.int64(1),
+            *a, **_attrs(fmt, bs, two_level=False), splits=np.int64(1),
             tile_m=np.int64(0)))(*args))
     # a cluster only for the tile_m = 256 kernel
     with pytest.raises(Exception, match=r"`cluster` = 2 must be 1, or 2 with tile_m = 256 \(got tile_m = 0\)"):
         jax.block_until_ready(jax.jit(lambda *a: call(
-            *a, **primitives._attrs(fmt, bs, two_level=False), splits=np.int64(1),
+            *a, **_attrs(fmt, bs, two_level=False), splits=np.int64(1),
             tile_m=np.int64(0), cluster=np.int64(2), tiled=np.int32(0)))(*args))
 
 
@@ -514,7 +524,7 @@ def test_wmatmul_handler_rejects_bad_tiled_calls():
     scale and zero-point bytes per row and step): any other call gets an error naming the
     attribute."""
     assert jf.capabilities()["kernels"]["cuda"], jf.capabilities()["load_error"]  # registers
-    call = lambda m, n: jax.ffi.ffi_call(primitives._FUSED_TARGET,  # noqa: E731
+    call = lambda m, n: jax.ffi.ffi_call(W._FUSED_TARGET,  # noqa: E731
                                          jax.ShapeDtypeStruct((1, m, n), jnp.float32))
     u8, f32 = jnp.uint8, jnp.float32
     for fmt, bs, sdt, k, n, tile_m, tiled in (
@@ -530,7 +540,7 @@ def test_wmatmul_handler_rejects_bad_tiled_calls():
                                zeros, jnp.ones((n,), jnp.float32)), _gpu())
         with pytest.raises(Exception, match=r"attribute `tiled` = \d"):
             jax.block_until_ready(jax.jit(lambda *a: call(m, n)(
-                *a, **primitives._attrs(fmt, bs, two_level=False), splits=np.int64(1),
+                *a, **_attrs(fmt, bs, two_level=False), splits=np.int64(1),
                 tile_m=np.int64(tile_m), cluster=np.int64(1), tiled=np.int32(tiled)))(*args))
 
 
@@ -540,7 +550,7 @@ def test_fused_wgmma_padded_x_rows(m, k, n, rng, monkeypatch):
     reaches past x); x with M rows (jax.export artifacts from before) gives the same
     result bit for bit; any other row count is refused with the counts named."""
     _require_wgmma()
-    monkeypatch.setattr(primitives, "FUSED_MAX_M", 1 << 30)
+    _tune(monkeypatch, max_m_mma_sync=1 << 30)
     x = jax.device_put(jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16), _gpu())
     w = jnp.asarray(rng.standard_normal((k, n)), jnp.float32)
     outs = []
@@ -548,28 +558,28 @@ def test_fused_wgmma_padded_x_rows(m, k, n, rng, monkeypatch):
         q = jax.device_put(jf.quantize(jax.device_put(w, _cpu()), fmt, axis=0), _gpu())
         for pad in (True, False):
             if not pad:
-                layout = primitives.wmatmul_x_layout
-                monkeypatch.setattr(primitives, "wmatmul_x_layout", lambda x, b, t=1: layout(x, b))
+                layout = W.wmatmul_x_layout
+                monkeypatch.setattr(W, "wmatmul_x_layout", lambda x, b, t=1: layout(x, b))
             f = jax.jit(lambda x, q: jf.dot_general(x, q, (((1,), (0,)), ((), ())),
                                                     preferred_element_type=jnp.float32))
             text = f.lower(x, q).as_text()
-            tile = primitives.wmatmul_tile_m(m)
+            tile = LP.wmatmul_tile_m(m, G.gpu_props().wgmma)
             assert f"tile_m = {tile} " in text and tile > 0 and m % tile != 0
             assert (f"tensor<{-(-m // tile) * tile}x" in text) == pad  # x's rows as passed
             outs.append(np.asarray(f(x, q)))
             monkeypatch.undo()
-            monkeypatch.setattr(primitives, "FUSED_MAX_M", 1 << 30)
+            _tune(monkeypatch, max_m_mma_sync=1 << 30)
         np.testing.assert_array_equal(outs[-2], outs[-1], err_msg=fmt)
     # rows neither M nor M rounded up to tile_m
     kk, nn = 256, 128
     args = jax.device_put((jnp.ones((5, kk), jnp.bfloat16), jnp.zeros((nn, kk // 2), jnp.uint8),
                            jnp.zeros((nn, kk // 16), jnp.uint8), jnp.zeros((0,), jnp.uint8),
                            jnp.ones((nn,), jnp.float32)), _gpu())
-    call = jax.ffi.ffi_call(primitives._FUSED_TARGET, jax.ShapeDtypeStruct((1, 4, nn), jnp.float32))
+    call = jax.ffi.ffi_call(W._FUSED_TARGET, jax.ShapeDtypeStruct((1, 4, nn), jnp.float32))
     with pytest.raises(Exception, match=r"buffer `x` must have the output's M = 4 rows, or M "
                                         r"rounded up to tile_m \(16\), got 5"):
         jax.block_until_ready(jax.jit(lambda *a: call(
-            *a, **primitives._attrs("nvfp4", 16, two_level=False), splits=np.int64(1),
+            *a, **_attrs("nvfp4", 16, two_level=False), splits=np.int64(1),
             tile_m=np.int64(16), cluster=np.int64(1), tiled=np.int32(0)))(*args))
 
 
@@ -579,9 +589,10 @@ def test_fused_wgmma_ragged_last_tile(fmt, bs, kw, dtype, rng, monkeypatch):
     256-row tile, the last 44 in a second launch on the 64-row tile (wmatmul_head_rows);
     the result as the reference's."""
     _require_wgmma()
-    monkeypatch.setattr(primitives, "FUSED_MAX_M", 1 << 30)
-    m, k, n = 300, 256, 128 * primitives._sm_count()
-    assert primitives.wmatmul_head_rows(m, n, k, 256) == 256
+    _tune(monkeypatch, max_m_mma_sync=1 << 30)
+    sms = G.gpu_props().sm_count
+    m, k, n = 300, 256, 128 * sms
+    assert LP.wmatmul_head_rows(m, n, k, 256, sms) == 256
     x = jax.device_put(jnp.zeros((m, k), dtype), _gpu())
     q = jax.device_put(jf.quantize(jnp.ones((k, n), jnp.float32), fmt, axis=0, block_size=bs, **kw), _gpu())
     text = jax.jit(lambda x, q: jf.matmul(x, q)).lower(x, q).as_text()
@@ -596,11 +607,12 @@ def test_fused_wgmma_ragged_last_tile(fmt, bs, kw, dtype, rng, monkeypatch):
 @pytest.mark.parametrize("fmt,bs,kw,dtype", [W_CASES[0], W_CASES[3], W_CASES[6]], ids=str)
 def test_fused_wgmma_grid_small_weights(fmt, bs, kw, dtype, rng, monkeypatch):
     _require_wgmma()
-    monkeypatch.setattr(primitives, "_GRID_MIN_FILL", _GRID_MIN_FILL)
+    _tune(monkeypatch, grid_min_fill=_TUNING.grid_min_fill)
+    g = G.gpu_props()
     for m, k, n in ((256, 4096, 4096), (160, 2048, 4096), (13, 4096, 4096), (1, 4096, 1024)):
-        tile, splits = primitives.wmatmul_grid(m, n, k)
-        plain = primitives.wmatmul_tile_m(m)
-        assert (tile, splits) != (plain, primitives.wmatmul_splits(m, n, k, tile_m=plain)), (m, k, n)
+        tile, splits = LP.wmatmul_grid(m, n, k, g.wgmma, g.sm_count)
+        plain = LP.wmatmul_tile_m(m, g.wgmma)
+        assert (tile, splits) != (plain, LP.wmatmul_splits(m, n, k, g.sm_count, tile_m=plain)), (m, k, n)
         _check_fused(fmt, bs, kw, dtype, m, k, n, "wgmma", rng, splits)
 
 
@@ -613,9 +625,9 @@ def test_wmatmul_grad_and_large_m_path(rng):
     wd = np.asarray(q.dequantize(jnp.bfloat16), np.float32)
     np.testing.assert_allclose(np.asarray(g, np.float32)[0], wd.sum(1), rtol=1e-2, atol=1e-2)
     # the size rule: fused up to its limit, dequantize kernel + XLA dot past it
-    folded = primitives.wmatmul_folded("nvfp4", jnp.bfloat16, q.tensor_scale is not None)
-    limit = (primitives.wgmma_max_m("nvfp4", folded) if primitives.wgmma_available()
-             else primitives.FUSED_MAX_M)
+    folded = LP.wmatmul_folded("nvfp4", jnp.bfloat16, q.tensor_scale is not None)
+    limit = (LP.wgmma_max_m("nvfp4", folded) if G.wgmma_available()
+             else LP.TUNING.max_m_mma_sync)
     for m, fused in ((limit, True), (limit + 1, False)):
         xm = jax.device_put(jnp.zeros((m, k), jnp.bfloat16), _gpu())
         text = jax.jit(jf.matmul).lower(xm, q).as_text()
@@ -657,7 +669,7 @@ def test_blackwell_path_through_xla_fallback(a_fmt, b_fmt, rng):
     b = jf.quantize(jnp.asarray(rng.standard_normal((n, k)), jnp.float32), b_fmt, axis=1, **kw)
     (ac, asc, _, ats), _, _ = _qarray_rows(a)
     (bc, bsc, _, bts), _, _ = _qarray_rows(b)
-    fn = functools.partial(primitives.scaled_matmul_cudnn, a_fmt=a_fmt, b_fmt=b_fmt, k=k,
+    fn = functools.partial(scaled_matmul_cudnn, a_fmt=a_fmt, b_fmt=b_fmt, k=k,
                            out_dtype=np.dtype(np.float32), impl="auto")
     args = jax.device_put((ac, asc, ats, bc, bsc, bts, jnp.float32(1.0), jnp.zeros(n)), _gpu())
     got = np.asarray(jax.jit(fn)(*args), np.float64)

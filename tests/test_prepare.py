@@ -7,9 +7,11 @@ import numpy as np
 import pytest
 
 import jax_fp4 as jf
-from jax_fp4 import layout, primitives
+from jax_fp4 import layout
+from jax_fp4.prims import _gpu
 from jax_fp4.io import safetensors as st
-from jax_fp4.nn.params import quantize_params, transpose_2d
+from jax_fp4.nn.params import transpose_2d
+from jax_fp4.nn.quantize import quantize_params
 
 CASES = [("nvfp4", {}), ("nvfp4", {"tensor_scale": "auto"}), ("mxfp4", {}),
          ("int4", {}), ("int4", {"block_size": 32, "scale_dtype": jnp.bfloat16}),
@@ -180,7 +182,8 @@ def test_quantize_params_prepare_and_checkpoints(rng, tmp_path):
 def test_quantize_params_prepares_where_wgmma_runs(wgmma, rng, monkeypatch):
     """prepare=None (the default): the prepared layout exactly where the wgmma kernel can
     run (pinned either way, so the test means the same on every machine)."""
-    monkeypatch.setattr(primitives, "wgmma_available", lambda: wgmma)
+    props = _gpu.GpuProps(9 if wgmma else 8, 132, ("80", "90a"))
+    monkeypatch.setattr(_gpu, "gpu_props", lambda ctx=None: props)
     tree = {"dense": {"kernel": _weight(rng, 256, 128)}}
     want = "tiled" if wgmma else "linear"
     assert quantize_params(tree, "nvfp4")["dense"]["kernel"].scale_layout == want

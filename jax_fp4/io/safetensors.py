@@ -3,7 +3,7 @@
 File layout (a plain safetensors file that any safetensors reader opens):
 
 * every array leaf is one tensor named by its dotted key path
-  (:func:`jax_fp4.nn.params.path_str`, e.g. ``"layers.0.attn.query.bias"``);
+  (:func:`jax_fp4.tree_paths.path_str`, e.g. ``"layers.0.attn.query.bias"``);
 * a :class:`~jax_fp4.QArray` leaf named ``W`` is stored as the tensors ``W.qdata`` (codes,
   uint8 or float8, blocked axis last), ``W.scales`` (F8_E4M3 / F8_E8M0 / F32 / BF16 ...),
   ``W.tensor_scale`` (NVFP4 two-level, F32 scalar) and ``W.zeros`` (INT4, U8);
@@ -91,7 +91,7 @@ def _dt_str(dt) -> str:
 # ----------------------------------------------------------------------------- save
 def _flatten(tree):
     """pytree -> ({tensor name: np array}, {qarray name: metadata})."""
-    from ..nn.params import path_str
+    from ..tree_paths import path_str
 
     leaves = jax.tree_util.tree_flatten_with_path(
         tree, is_leaf=lambda x: isinstance(x, QArray))[0]
@@ -117,7 +117,7 @@ def _flatten(tree):
                 "dtype": leaf.dtype.name, "block_size": leaf.block_size,
                 "scale_layout": leaf.scale_layout,
                 "tensor_scale": leaf.tensor_scale is not None, "zeros": leaf.zeros is not None,
-                "scale_dtype": np.dtype(leaf.scales.dtype).name if f.family == "int4" else None,
+                "scale_dtype": np.dtype(leaf.scales.dtype).name if f.scale_dtype_per_call else None,
             }
             for part, child in zip(QARRAY_PARTS, (leaf.data, leaf.scales, leaf.tensor_scale,
                                                   leaf.zeros)):
@@ -431,9 +431,9 @@ def _expected_parts_cached(key):
     m = dict(key)
     f = get_format(m["format"])
     kw = dict(axis=m["axis"], block_size=m["block_size"], scale_layout=m["scale_layout"])
-    if f.family == "nvfp4":
+    if f.has_tensor_scale:
         kw["tensor_scale"] = "auto" if m.get("tensor_scale") else None
-    if f.family == "int4" and m.get("scale_dtype"):
+    if f.scale_dtype_per_call and m.get("scale_dtype"):
         kw["scale_dtype"] = jnp.dtype(m["scale_dtype"])
     x = jax.ShapeDtypeStruct(m["shape"], jnp.dtype(m["dtype"]))
     q = jax.eval_shape(lambda x: quantize(x, f.name, **kw), x)
@@ -554,7 +554,7 @@ def load(path, target=None, *, strict: bool = True):
     flat = _assemble(arrays, qmeta)
     if target is None:
         return flat
-    from ..nn.params import path_str
+    from ..tree_paths import path_str
 
     leaves, treedef = jax.tree_util.tree_flatten_with_path(
         target, is_leaf=lambda x: isinstance(x, QArray))

@@ -11,8 +11,8 @@ The framework modules are imported on first use, so ``import jax_fp4.nn`` needs 
 """
 import importlib
 
-from .params import (contraction_axis, default_filter, linear, path_str, quantize_params,
-                     transpose_2d)
+from .params import contraction_axis, default_filter, linear, path_str, transpose_2d
+from .quantize import quantize_params
 
 __all__ = ["quantize_params", "default_filter", "contraction_axis", "path_str", "linear",
            "transpose_2d", "calibrate", "flax", "equinox"]

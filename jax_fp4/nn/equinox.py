@@ -197,8 +197,8 @@ def calibrate(model, batches: Iterable, forward: Optional[Callable] = None, *,
         if not _is_qlin(layer) or layer.act_format is None:
             return layer
         a = jnp.float32(amax[layer.name])
-        scale = (ops.tensor_scale_from_amax(a) if get_format(layer.act_format).family ==
-                 "nvfp4" else jnp.zeros((), jnp.float32))
+        scale = (ops.tensor_scale_from_amax(a) if get_format(layer.act_format).has_tensor_scale
+                 else jnp.zeros((), jnp.float32))
         return _replace(layer, calibrating=False, act_scale=jnp.asarray(scale, jnp.float32))
 
     return jax.tree_util.tree_map(finish, cal, is_leaf=_is_qlin), amax

@@ -313,7 +313,7 @@ def calibrate(model: nnx.Module, batches: Iterable, forward: Optional[Callable] 
     out = {}
     for path, m in layers:
         amax = m.act_amax.get_value()
-        if get_format(m.act_format).family == "nvfp4":
+        if get_format(m.act_format).has_tensor_scale:
             m.act_scale.set_value(ops.tensor_scale_from_amax(amax).astype(jnp.float32))
         out[m.name or path] = float(amax)
     return out

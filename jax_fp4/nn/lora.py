@@ -92,11 +92,11 @@ def requantize(w, like: QArray, format: Optional[str] = None) -> QArray:
     kw = {}
     if f.name == like.format:
         kw["block_size"] = like.block_size
-        if f.family == "int4":
+        if f.scale_dtype_per_call:
             kw["scale_dtype"] = like.scales.dtype
-        if f.family == "nvfp4" and like.tensor_scale is not None:
+        if f.has_tensor_scale and like.tensor_scale is not None:
             kw["tensor_scale"] = "auto"
-    elif f.family == "nvfp4":
+    elif f.has_tensor_scale:
         kw["tensor_scale"] = "auto"
     return quantize(jnp.asarray(w, like.dtype), f.name, axis=like.axis, **kw)
 

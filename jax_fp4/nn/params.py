@@ -1,7 +1,8 @@
 """Framework-neutral parameter quantization and the quantized-linear computation.
 
-:func:`quantize_params` turns the 2-D kernels of any parameter pytree into
-:class:`~jax_fp4.QArray` s blocked along the contraction axis; :func:`linear` is the one
+:func:`jax_fp4.nn.quantize_params` (:mod:`jax_fp4.nn.quantize`) turns the 2-D kernels of
+any parameter pytree into :class:`~jax_fp4.QArray` s blocked along the contraction axis
+with the leaf rules here; :func:`linear` is the one
 implementation of a quantized dense layer (weight-only W4A16, activations fake-quantized,
 or block-scaled W4A4/W8A8) that the Flax and Equinox layers share.
 
@@ -17,11 +18,8 @@ last, the layout of ModelOpt / compressed-tensors checkpoints.
 from __future__ import annotations
 
 import re
-import sys
-import warnings
 from typing import Any, Callable, Optional, Union
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -29,8 +27,9 @@ from ..formats import get_format
 from ..ops import (dot_general, fake_quantize, quantize, scaled_matmul,
                    tensor_scale_from_amax)
 from ..qarray import QArray
+from ..tree_paths import _leaf_name, contraction_axis, path_str
 
-__all__ = ["quantize_params", "default_filter", "contraction_axis", "path_str",
+__all__ = ["default_filter", "contraction_axis", "path_str",
            "transpose_2d", "linear", "ACT_MODES", "KERNEL_NAMES", "DEFAULT_EXCLUDE"]
 
 #: leaf names taken to be dense-layer kernels by the default filter
@@ -41,47 +40,6 @@ DEFAULT_EXCLUDE = r"(?i)embed"
 ACT_MODES = ("fake", "scaled")
 
 Filter = Union[None, str, Callable[[str, Any], bool]]
-
-
-# ----------------------------------------------------------------------------- paths
-def _key_str(k) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(k, attr):
-            return str(getattr(k, attr))
-    return str(k)
-
-
-def path_str(path) -> str:
-    """A pytree key path as a dotted name: ``('params', 'Dense_0', 'kernel')`` ->
-    ``"params.Dense_0.kernel"``.
-
-    The ``value`` attribute of a Flax NNX Variable is dropped, so an NNX state leaf reads
-    ``"layers.0.kernel"``.
-    """
-    parts = [_key_str(k) for k in path]
-    # nnx.Variable flattens as GetAttrKey('value'); QArray children never reach here
-    parts = [p for i, p in enumerate(parts)
-             if not (p == "value" and type(path[i]).__name__ == "GetAttrKey")]
-    return ".".join(parts)
-
-
-def _leaf_name(path: str) -> str:
-    return path.rsplit(".", 1)[-1]
-
-
-def contraction_axis(path: str, leaf=None) -> Optional[int]:
-    """The contraction axis of a 2-D kernel from its name (module docstring).
-
-    Returns:
-      0 for a name ending in ``kernel`` (Flax, (in, out)), 1 for ``weight`` (PyTorch /
-      Equinox, (out, in)), None when the name says neither.
-    """
-    name = _leaf_name(path)
-    if name == "kernel":
-        return 0
-    if name == "weight":
-        return 1
-    return None
 
 
 def _is_float_array(x) -> bool:
@@ -124,11 +82,11 @@ def _make_filter(filter: Filter) -> Callable[[str, Any], bool]:
 def _quant_kwargs(format, block_size, tensor_scale, scale_rounding, scale_dtype):
     f = get_format(format)
     kw = dict(block_size=block_size)
-    if f.family == "nvfp4":
+    if f.has_tensor_scale:
         kw["tensor_scale"] = tensor_scale
-    if f.family == "mx":
+    if f.has_scale_rounding:
         kw["scale_rounding"] = scale_rounding
-    if f.family == "int4" and scale_dtype is not None:
+    if f.scale_dtype_per_call and scale_dtype is not None:
         kw["scale_dtype"] = scale_dtype
     return f, kw
 
@@ -172,158 +130,6 @@ def _quantize_leaf(path, leaf, f, kw, axis, strict, skipped):
 
 
 # ----------------------------------------------------------------------------- public
-def quantize_params(tree, format: str = "nvfp4", *, filter: Filter = None, axis=None,
-                    block_size: Optional[int] = None, tensor_scale="auto",
-                    scale_rounding: str = "floor", scale_dtype=None, strict: bool = False,
-                    act_format: Optional[str] = None, act_mode: str = "fake",
-                    prepare: Optional[bool] = None, method: str = "rtn", calibration=None,
-                    ptq_options: Optional[dict] = None):
-    """Quantize the dense-layer kernels of a parameter pytree into QArrays.
-
-    Works on any pytree: a plain dict, a Flax Linen ``params`` dict, a Flax NNX ``State``
-    (``nnx.state(model)``), a dict of tensors loaded from safetensors, an Equinox model,
-    or a Flax NNX module. Leaves are named by their dotted key path (:func:`path_str`).
-
-    * Plain trees and NNX ``State``: each selected 2-D float leaf becomes a
-      :class:`~jax_fp4.QArray` blocked along its contraction axis; everything else is
-      returned unchanged. An NNX state converted this way merges into a model built with
-      :class:`jax_fp4.nn.flax.QuantizedLinear` of the same format (``nnx.merge``).
-    * An NNX module: returns a copy whose ``nnx.Linear`` layers are
-      :class:`jax_fp4.nn.flax.QuantizedLinear` (:func:`jax_fp4.nn.flax.quantize_model`).
-    * An Equinox model: each ``equinox.nn.Linear`` becomes a
-      :class:`jax_fp4.nn.equinox.QuantizedLinear`; ``equinox.nn.Embedding`` is left alone
-      (decided by layer type, not name).
-
-    Args:
-      tree: the pytree.
-      format: any format of :data:`jax_fp4.FORMAT_NAMES`.
-      filter: which leaves to quantize. None: :func:`default_filter` (2-D leaves named
-        ``kernel``/``weight`` outside ``embed`` paths); a regex searched in the dotted
-        path; or a callable ``(path, leaf) -> bool``. Only 2-D float arrays are ever
-        quantized.
-      axis: the contraction (blocked) axis. None: from the leaf name (``kernel`` -> 0,
-        Flax (in, out); ``weight`` -> 1, PyTorch/Equinox (out, in)); an int; or a
-        callable ``(path, leaf) -> int``.
-      block_size: block size (default: the format's).
-      tensor_scale: nvfp4 only (ignored otherwise): "auto" (default, two-level NVFP4 with
-        the per-tensor decode scale amax/2688), None (one level) or a float32 scalar.
-      scale_rounding: MX only: "floor" or "rceil".
-      scale_dtype: int4 only: dtype of the group scales (default the kernel's dtype).
-      strict: raise instead of skipping a selected kernel whose contraction axis is not a
-        multiple of the block size (skipped kernels are reported with a warning).
-      act_format, act_mode: for module trees (NNX, Equinox) only: activation quantization
-        of the new layers (see :func:`linear`).
-      prepare: store the new QArrays in the fused W4A16 kernel's layout
-        (:func:`jax_fp4.prepare`: 4-bit weights with N and K multiples of 128 where
-        jax_fp4.layout.tileable allows; bit-identical results, faster on a Hopper GPU at
-        every M measured, a copy per call elsewhere). None (default): where the wgmma
-        kernel can run on the default device (``jax_fp4.primitives.wgmma_available()``:
-        an sm_90 GPU and a build for sm_90a), else not.
-      method: how the weights are rounded (:mod:`jax_fp4.ptq`, docs/ptq.md): "rtn"
-        (round to nearest, default), "mse" (MSE-optimal block scales), "gptq" (GPTQ
-        error feedback; needs ``calibration``) or "awq" (activation-aware channel scaling
-        where a ScaleGroup folds, plus activation-weighted MSE scales). Plain trees and
-        Flax NNX models; the stored QArrays are the same kind for every method.
-      calibration: the inputs of each dense layer, for "gptq" / "awq": a
-        :class:`jax_fp4.ptq.Calibration` (batches and a forward function; NNX models), or
-        ``{kernel path: activations (..., K) | jax_fp4.ptq.LayerStats}``.
-      ptq_options: method options: ``damp`` (GPTQ dampening, 0.01), ``act_order``
-        (False), ``scale_search`` ("mse" or "rtn": GPTQ's block scales), ``awq_groups``
-        (a sequence of :class:`jax_fp4.ptq.ScaleGroup`; default for the MiniLM
-        BertModel: :func:`jax_fp4.ptq.bert_groups`), ``progress`` (tqdm bars, True).
-    Returns:
-      a pytree of the same structure with QArray leaves (or a new module).
-    Raises:
-      ValueError: unknown format; a contraction axis that cannot be inferred; with
-        ``strict``, a kernel that does not block evenly; ``act_format`` for a plain tree.
-      TypeError: a filter of the wrong type.
-    """
-    f, kw = _quant_kwargs(format, block_size, tensor_scale, scale_rounding, scale_dtype)
-    if prepare is None:
-        from ..primitives import wgmma_available
-
-        prepare = wgmma_available()
-    if method != "rtn" or calibration is not None or ptq_options is not None:
-        from ..ptq.api import quantize_params_ptq
-
-        out = quantize_params_ptq(tree, f.name, method=method, calibration=calibration,
-                                  options=ptq_options, filter=filter, axis=axis,
-                                  block_size=block_size, tensor_scale=tensor_scale,
-                                  scale_rounding=scale_rounding, scale_dtype=scale_dtype,
-                                  strict=strict, act_format=act_format, act_mode=act_mode)
-        if prepare and "flax" in sys.modules:
-            from flax import nnx
-
-            if isinstance(out, nnx.Module):
-                nnx.update(out, _prepared(nnx.state(out)))
-                return out
-        return _prepared(out) if prepare else out
-    if "flax" in sys.modules:
-        from flax import nnx
-
-        if isinstance(tree, nnx.Module):
-            from .flax import quantize_model
-
-            model = quantize_model(tree, format, filter=filter, block_size=block_size,
-                                   tensor_scale=tensor_scale, scale_rounding=scale_rounding,
-                                   scale_dtype=scale_dtype, strict=strict,
-                                   act_format=act_format, act_mode=act_mode)
-            if prepare:
-                nnx.update(model, _prepared(nnx.state(model)))
-            return model
-    pred = _make_filter(filter)
-    skipped: list = []
-    eqx_types: tuple = ()
-    if "equinox" in sys.modules:
-        import equinox as eqx
-
-        from .equinox import QuantizedLinear as EqxQuantizedLinear
-
-        eqx_types = (eqx.nn.Linear, eqx.nn.Embedding, EqxQuantizedLinear)
-    is_module_tree = False
-
-    def visit(path, leaf):
-        nonlocal is_module_tree
-        p = path_str(path)
-        if eqx_types and isinstance(leaf, eqx_types):
-            is_module_tree = True
-            if isinstance(leaf, eqx_types[0]):  # equinox.nn.Linear
-                wpath = f"{p}.weight" if p else "weight"
-                if not pred(wpath, leaf.weight):
-                    return leaf
-                if not _fits_block(wpath, "in_features", leaf.weight.shape[1], f, block_size,
-                                   strict, skipped):
-                    return leaf
-                return EqxQuantizedLinear.from_linear(
-                    leaf, format, block_size=block_size, tensor_scale=tensor_scale,
-                    scale_rounding=scale_rounding, scale_dtype=scale_dtype,
-                    act_format=act_format, act_mode=act_mode, name=p)
-            return leaf  # embeddings, already-quantized layers
-        if isinstance(leaf, QArray) or not pred(p, leaf):
-            return leaf
-        return _quantize_leaf(p, leaf, f, kw, axis, strict, skipped)
-
-    out = jax.tree_util.tree_map_with_path(
-        visit, tree, is_leaf=lambda x: isinstance(x, QArray) or
-        (bool(eqx_types) and isinstance(x, eqx_types)))
-    if act_format is not None and not is_module_tree:
-        raise ValueError("act_format: activation quantization applies to layers (a Flax NNX "
-                         "or Equinox model), not to a plain parameter tree; got "
-                         f"{type(tree).__name__}")
-    if skipped:
-        warnings.warn(f"quantize_params: left {len(skipped)} kernel(s) unquantized: "
-                      + ", ".join(skipped), stacklevel=2)
-    return _prepared(out) if prepare else out
-
-
-def _prepared(tree):
-    """Every QArray of a pytree through :func:`jax_fp4.prepare`."""
-    from ..ops import prepare
-
-    return jax.tree_util.tree_map(lambda x: prepare(x) if isinstance(x, QArray) else x, tree,
-                                  is_leaf=lambda x: isinstance(x, QArray))
-
-
 def transpose_2d(q: QArray) -> QArray:
     """The transpose of a 2-D QArray, without touching its buffers.
 
@@ -359,7 +165,7 @@ def check_act_options(weight_format: str, act_format: Optional[str], act_mode: s
     if act_format is None:
         return
     af = get_format(act_format)
-    if af.family not in ("nvfp4", "mx"):
+    if not af.minifloat_scales:
         raise ValueError(f"act_format: activations take nvfp4 or an MX format, got "
                          f"{act_format!r}")
     if act_mode == "scaled":
@@ -419,7 +225,7 @@ def linear(x, kernel: QArray, bias=None, *, contract_axis: int = 0,
                         preferred_element_type=preferred_element_type)
     else:
         af = get_format(act_format)
-        ts = act_tensor_scale(x, act_scale) if af.family == "nvfp4" else None
+        ts = act_tensor_scale(x, act_scale) if af.has_tensor_scale else None
         if act_mode == "fake":
             xq = fake_quantize(x, af.name, axis=-1, tensor_scale=ts)
             y = dot_general(xq, kernel, dims, precision=precision,

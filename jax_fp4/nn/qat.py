@@ -94,7 +94,7 @@ def _qat_bwd(cfg, contract_axis, res, g):
     xa = x
     if cfg.act_format is not None:
         af = get_format(cfg.act_format)
-        ts = P.act_tensor_scale(x, None) if af.family == "nvfp4" else None
+        ts = P.act_tensor_scale(x, None) if af.has_tensor_scale else None
         xa = fake_quantize(x, af.name, axis=-1, tensor_scale=ts)
     k = x.shape[-1]
     x2 = xa.reshape(-1, k).astype(jnp.float32)

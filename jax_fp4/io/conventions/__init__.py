@@ -127,7 +127,7 @@ def load(path, convention: str = "auto") -> Dict[str, Any]:
 
 
 def _flatten(tree) -> Dict[str, Any]:
-    from ...nn.params import path_str
+    from ...tree_paths import path_str
 
     leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, QArray))[0]
     flat = {}
