@@ -193,7 +193,7 @@ def fsdp_specs(tree, mesh, axis: Any = "fsdp", *, default: Any = None) -> Any:
       pytree of tree's structure with PartitionSpec leaves (QArrays of specs for QArrays).
     """
     from .layout import TILE_ROWS
-    from .nn.params import contraction_axis, path_str
+    from .tree_paths import contraction_axis, path_str
 
     n = _axes_size(mesh, axis)
 
