@@ -3,7 +3,7 @@
 # "one script that builds, checks and times in one call"). Logs go to $OUT (or ./out).
 #
 #   bash benchmarks/device_check.sh [build] [test] [test-matmul] [sanitize] [ncu] [bench-quant]
-#       [bench-matmul] [bench-model]
+#       [bench-matmul] [bench-model] [harness]
 #
 # With no arguments: build test sanitize bench-matmul. Each step has its own time limit and
 # a failing step does not stop the next; a short summary is printed last.
@@ -43,6 +43,12 @@ for s in $steps; do
            --ms 1 4 16 64 256 1024 --rule-ms 256 --scaled 4096 8192 --results "$OUT/RESULTS_matmul.md" ;;
     bench-model) run bench_model 560 python3 benchmarks/bench_model.py --ms ${MODEL_MS:-1 16 64} \
            --results "$OUT/RESULTS_model.md" ;;
+    harness)  # benchmarks/wmatmul_harness.cu linked against the kernels' units, and one run
+      run harness_build 400 nvcc -std=c++17 -O3 -fmad=false --expt-relaxed-constexpr \
+        -gencode=arch=compute_90a,code=sm_90a -Icsrc -diag-suppress 940,2473 \
+        benchmarks/wmatmul_harness.cu csrc/cuda/wmatmul/launch.cu csrc/cuda/wmatmul/launch_mma_sync.cu \
+        csrc/cuda/wmatmul/launch_wgmma.cu csrc/cuda/wmatmul/tma.cu -o "$OUT/wmatmul_harness"
+      run harness 120 "$OUT/wmatmul_harness" nvfp4 8192 28672 16 32 1 5 ;;
     *) say "unknown step $s" ;;
   esac
 done

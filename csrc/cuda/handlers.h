@@ -19,8 +19,6 @@
   X("jax_fp4_quantize_v2", JaxFp4QuantizeV2Cuda)         \
   X("jax_fp4_dequantize_v1", JaxFp4DequantizeV1Cuda)     \
   X("jax_fp4_fake_quantize_v1", JaxFp4FakeQuantizeV1Cuda) \
-  X("jax_fp4_wmatmul_v1", JaxFp4WMatmulV1Cuda)      \
-  X("jax_fp4_wmatmul_v2", JaxFp4WMatmulV2Cuda)      \
   X("jax_fp4_wmatmul_v3", JaxFp4WMatmulV3Cuda)      \
   X("jax_fp4_tensor_scale_v1", JaxFp4TensorScaleV1Cuda)
 
