@@ -23,12 +23,13 @@ run() {  # run NAME LIMIT CMD...: time-limited, log in $OUT/NAME.log, GPU freed 
 for s in $steps; do
   case $s in
     build) run build 300 env JAX_FP4_CUDA=ON python3 -m pip install --no-build-isolation --no-deps -e . ;;
-    test) run test 400 python3 -m pytest -q -ra tests/test_cuda_kernels.py tests/test_cuda_matmul.py ;;
+    test) run test 400 python3 -m pytest -q -ra tests/test_cuda_kernels.py tests/test_cuda_matmul.py \
+           tests/test_cuda_stochastic.py ;;
     test-matmul) run test_matmul 400 python3 -m pytest -q -ra -x tests/test_cuda_matmul.py tests/test_matmul_paths.py ;;
     test-gpu)  # every GPU test file, in 4 processes sharing the GPU
       for i in 0 1 2 3; do
         XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_FP4_TEST_SHARD=$i/4 timeout 420 python3 -m pytest -q -ra \
-          tests/test_cuda_kernels.py tests/test_cuda_matmul.py tests/test_matmul_paths.py \
+          tests/test_cuda_kernels.py tests/test_cuda_matmul.py tests/test_matmul_paths.py tests/test_cuda_stochastic.py \
           ${GPU_TESTS_EXTRA:-} > "$OUT/test_gpu_$i.log" 2>&1 &
       done
       wait; say "test-gpu"; for i in 0 1 2 3; do tail -1 "$OUT/test_gpu_$i.log"; done ;;
