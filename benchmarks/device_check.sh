@@ -47,8 +47,8 @@ for s in $steps; do
     harness)  # benchmarks/wmatmul_harness.cu linked against the kernels' units, and one run
       run harness_build 400 nvcc -std=c++17 -O3 -fmad=false --expt-relaxed-constexpr \
         -gencode=arch=compute_90a,code=sm_90a -Icsrc -diag-suppress 940,2473 \
-        benchmarks/wmatmul_harness.cu csrc/cuda/wmatmul/launch.cu csrc/cuda/wmatmul/launch_mma_sync.cu \
-        csrc/cuda/wmatmul/launch_wgmma.cu csrc/cuda/wmatmul/tma.cu -o "$OUT/wmatmul_harness"
+        benchmarks/wmatmul_harness.cu csrc/cuda/wmatmul/launch.cu csrc/cuda/wmatmul/tma.cu \
+        -o "$OUT/wmatmul_harness"
       run harness 120 "$OUT/wmatmul_harness" nvfp4 8192 28672 16 32 1 5 ;;
     *) say "unknown step $s" ;;
   esac

@@ -12,7 +12,6 @@
 //   nvcc -std=c++17 -O3 -fmad=false --expt-relaxed-constexpr \
 //        -gencode=arch=compute_90a,code=sm_90a -Icsrc -diag-suppress 940,2473 \
 //        benchmarks/wmatmul_harness.cu csrc/cuda/wmatmul/launch.cu \
-//        csrc/cuda/wmatmul/launch_mma_sync.cu csrc/cuda/wmatmul/launch_wgmma.cu \
 //        csrc/cuda/wmatmul/tma.cu -o wmatmul_harness
 //   (benchmarks/device_check.sh harness does the latter on the GPU machine.)
 //   ./wmatmul_harness FMT K N M TILE_M SPLITS [REPS [CLUSTER]]   FMT: nvfp4 mxfp4 nf4 int4

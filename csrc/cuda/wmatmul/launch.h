@@ -30,13 +30,12 @@
 // decode.cuh (E2M1 / E4M3 / E8M0 / codebook / INT4 decode into MMA fragments),
 // mma_sync.cuh (the direct and staged kernels), wgmma_config.cuh (the wgmma kernel's
 // tiles, stages and barriers), wgmma_kernel.cuh (the wgmma kernel), tma.h / tma.cu
-// (tensor maps), launch*.cu (launch), ffi.cu (the FFI handler).
-// Invariants: kernels are instantiated only for the (FMT, BF16, BITS) of
-// JF4_WMATMUL_INSTANCES (the decode paths use_bit_path can choose); the .cuh files hold
-// device code in an anonymous namespace, and each kernel family's header is included by
-// one translation unit only (mma_sync.cuh by launch_mma_sync.cu, wgmma_kernel.cuh by
-// launch_wgmma.cu), so every kernel is compiled once. Moving code between these files
-// must not change the kernels: they are the same templates, instantiated the same way.
+// (tensor maps), launch.cu (the dispatch and launches: the one unit that compiles the
+// kernels), ffi.cu (the FFI handler).
+// Invariants: the .cuh files hold device code in an anonymous namespace and are included
+// by launch.cu only, so every kernel is compiled once, in one unit (see launch.cu for why
+// one); moving code between these files must not change the kernels: they are the same
+// templates, instantiated the same way.
 #ifndef JAX_FP4_CSRC_CUDA_WMATMUL_LAUNCH_H_
 #define JAX_FP4_CSRC_CUDA_WMATMUL_LAUNCH_H_
 
@@ -131,22 +130,6 @@ inline int use_bit_path(const WParams& p) {
 // (ffi.cu) fills it, the arguments already validated.
 cudaError_t launch_wmatmul(int fmt, bool bf16, JF4_WMATMUL_ARGS, const WParams& p, int splits,
                            int64_t tile_m);
-
-// The kernel instances the launch dispatches to, one per (FMT, BF16, BITS) with a decode
-// path (use_bit_path), defined and explicitly instantiated in launch_mma_sync.cu and
-// launch_wgmma.cu.
-#define JF4_WMATMUL_INSTANCES(X)                                                          \
-  X(kNVFP4, true, 1) X(kNVFP4, false, 1) X(kMXFP4, true, 1) X(kMXFP4, false, 1)           \
-  X(kNF4, true, 0) X(kNF4, false, 0) X(kBNB_FP4, true, 0) X(kBNB_FP4, false, 0)           \
-  X(kINT4, true, 0) X(kINT4, false, 0) X(kINT4, true, 1) X(kINT4, false, 1)               \
-  X(kINT4, true, kBitsSplit)
-
-// The mma.sync kernels (tile_m = 0): the direct kernel for M <= 16, else the staged one.
-template <int FMT, bool BF16, int BITS>
-cudaError_t launch_mma_sync(JF4_WMATMUL_ARGS, const WParams& p, int splits);
-// The wgmma kernel with tile_m (8 .. 256) activation rows per CTA.
-template <int FMT, bool BF16, int BITS>
-cudaError_t launch_wgmma_tile(JF4_WMATMUL_ARGS, const WParams& p, int splits, int64_t tile_m);
 
 }  // namespace cuda
 }  // namespace jf4

@@ -1,6 +1,6 @@
 // W4A16 kernels (launch.h): the two mma.sync kernels (any sm_80+ GPU): the direct kernel
 // (M <= 16, activations from global memory, no barriers) and the staged kernel (M > 16,
-// activations staged in shared memory). Launched by launch_mma_sync.cu (tile_m = 0).
+// activations staged in shared memory). Launched by launch.cu (tile_m = 0).
 #ifndef JAX_FP4_CSRC_CUDA_WMATMUL_MMA_SYNC_CUH_
 #define JAX_FP4_CSRC_CUDA_WMATMUL_MMA_SYNC_CUH_
 

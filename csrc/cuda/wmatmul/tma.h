@@ -1,4 +1,4 @@
-// Tensor-map (TMA descriptor) construction for the wgmma kernel (launch_wgmma.cu):
+// Tensor-map (TMA descriptor) construction for the wgmma kernel (launch.cu, launch_wgmma):
 // cuTensorMapEncodeTiled, obtained from the driver through the runtime, so the library
 // needs no libcuda link. Host code.
 #ifndef JAX_FP4_CSRC_CUDA_WMATMUL_TMA_H_

@@ -1,7 +1,7 @@
 // W4A16 kernels (launch.h): the wgmma kernel's configuration: tile and stage sizes, which
 // table and how many stages per (FMT, BITS, BN), the shared-memory layout of a stage, and
 // the PTX wrappers (wgmma fences, mbarriers, the split-K cluster reduction) it uses. Its
-// constexpr functions are __host__ __device__: launch_wgmma.cu sizes the launch with them,
+// constexpr functions are __host__ __device__: launch.cu (launch_wgmma) sizes the launch with them,
 // so host and kernel agree on the layout by construction.
 #ifndef JAX_FP4_CSRC_CUDA_WMATMUL_WGMMA_CONFIG_CUH_
 #define JAX_FP4_CSRC_CUDA_WMATMUL_WGMMA_CONFIG_CUH_

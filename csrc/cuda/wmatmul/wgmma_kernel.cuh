@@ -1,6 +1,6 @@
 // W4A16 kernels (launch.h): the wgmma kernel (sm_90a only; the body compiles to a trap
 // elsewhere and the launch refuses it there, prepare_wgmma). Pipeline, tiles and
-// invariants: the comment at the top of wgmma_config.cuh. Launched by launch_wgmma.cu.
+// invariants: the comment at the top of wgmma_config.cuh. Launched by launch.cu (launch_wgmma).
 #ifndef JAX_FP4_CSRC_CUDA_WMATMUL_WGMMA_KERNEL_CUH_
 #define JAX_FP4_CSRC_CUDA_WMATMUL_WGMMA_KERNEL_CUH_
 
