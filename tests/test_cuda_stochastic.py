@@ -118,9 +118,8 @@ def _unpacked(codes, fmt, shape):
 def _kernels_built():
     caps = jf.capabilities()
     assert caps["kernels"]["cuda"], caps["load_error"]
-    from jax_fp4 import _ext
-    assert "cuda" in {p.lower() for p in _ext.registered_targets().get(TARGET, ())}, (
-        f"{TARGET} is not registered for CUDA in this build")
+    assert "cuda" in {p.lower() for p in caps["targets"].get(TARGET, ())}, (
+        f"{TARGET} is not registered for CUDA in this build: {caps['targets']}")
 
 
 @pytest.mark.parametrize("fmt,bs,kw", CASES, ids=lambda v: str(v))
