@@ -3,7 +3,7 @@
 # "one script that builds, checks and times in one call"). Logs go to $OUT (or ./out).
 #
 #   bash benchmarks/device_check.sh [build] [test] [test-matmul] [sanitize] [ncu] [bench-quant]
-#       [bench-matmul] [bench-model] [bench-ops] [overhead] [qlora] [sharding]
+#       [bench-matmul] [bench-model] [bench-ops] [overhead] [qlora] [sharding] [harness]
 #
 # With no arguments: build test sanitize bench-matmul. Each step has its own time limit and
 # a failing step does not stop the next; a short summary is printed last.
@@ -28,7 +28,7 @@ for s in $steps; do
     test-gpu)  # every GPU test file, in 4 processes sharing the GPU
       for i in 0 1 2 3; do
         XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_FP4_TEST_SHARD=$i/4 timeout 420 python3 -m pytest -q -ra \
-          ${GPU_TESTS:-tests/test_cuda_kernels.py tests/test_cuda_matmul.py tests/test_matmul_paths.py} \
+          ${GPU_TESTS:-tests/test_cuda_kernels.py tests/test_cuda_matmul.py tests/test_matmul_paths.py tests/test_cuda_stochastic.py} \
           ${GPU_TESTS_EXTRA:-} > "$OUT/test_gpu_$i.log" 2>&1 &
       done
       wait; say "test-gpu"; for i in 0 1 2 3; do tail -1 "$OUT/test_gpu_$i.log"; done ;;
@@ -57,6 +57,12 @@ for s in $steps; do
           --formats ${OVERHEAD_FORMATS:-nvfp4} >> "$OUT/overhead.log" 2>&1
       done
       say "overhead"; grep -E "^(XLA_FLAGS|bf16|nvfp4|mxfp4|int4|nf4|bnb_fp4|#   host)" "$OUT/overhead.log" | cut -c1-200 ;;
+    harness)  # benchmarks/wmatmul_harness.cu linked against the kernels' units, and one run
+      run harness_build 400 nvcc -std=c++17 -O3 -fmad=false --expt-relaxed-constexpr \
+        -gencode=arch=compute_90a,code=sm_90a -Icsrc -diag-suppress 940,2473 \
+        benchmarks/wmatmul_harness.cu csrc/cuda/wmatmul/launch.cu csrc/cuda/wmatmul/tma.cu \
+        -o "$OUT/wmatmul_harness"
+      run harness 120 "$OUT/wmatmul_harness" nvfp4 8192 28672 16 32 1 5 ;;
     *) say "unknown step $s" ;;
   esac
 done

@@ -1,14 +1,19 @@
-// Standalone driver for the W4A16 CUDA kernels (csrc/cuda/wmatmul.cu), without JAX: for
+// Standalone driver for the W4A16 CUDA kernels (csrc/cuda/wmatmul/), without JAX: for
 // Nsight Compute, which crashes at the exit of a profiled jax process (benchmarks/log/NOTES.md), and for
 // quick sweeps of kernel variants (build several binaries with different -D or source
-// copies, carry them to the GPU, no pip build there). It includes wmatmul.cu and calls
-// the handler's launch_kernel on random bits: timing only -- the results are checked
-// through JAX by tests/test_cuda_matmul.py, not here. The wgmma kernel takes x already in
-// its permuted layout; random bits need no permutation.
+// copies, carry them to the GPU, no pip build there). It links the kernels' units and
+// calls their launch entry point (csrc/cuda/wmatmul/launch.h, launch_wmatmul) on random
+// bits: timing only -- the results are checked through JAX by tests/test_cuda_matmul.py,
+// not here. The wgmma kernel takes x already in its permuted layout; random bits need no
+// permutation.
 //
-//   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Icsrc \
-//        -I$(python3 -c "import jax.ffi; print(jax.ffi.include_dir())") \
-//        -diag-suppress 940,2473 benchmarks/wmatmul_harness.cu -o wmatmul_harness
+// Build (either; the second needs no XLA headers and no Python):
+//   cmake --build BUILD_DIR --target wmatmul_harness      (a CUDA build dir of the project)
+//   nvcc -std=c++17 -O3 -fmad=false --expt-relaxed-constexpr \
+//        -gencode=arch=compute_90a,code=sm_90a -Icsrc -diag-suppress 940,2473 \
+//        benchmarks/wmatmul_harness.cu csrc/cuda/wmatmul/launch.cu \
+//        csrc/cuda/wmatmul/tma.cu -o wmatmul_harness
+//   (benchmarks/device_check.sh harness does the latter on the GPU machine.)
 //   ./wmatmul_harness FMT K N M TILE_M SPLITS [REPS [CLUSTER]]   FMT: nvfp4 mxfp4 nf4 int4
 //        int4f16 (int4 with f16 scales: AWQ's, with bf16 x);
 //        TILE_M 0 = the mma.sync kernels, 8/16/32/64/128/256 = the wgmma kernel; SPLITS as
@@ -20,14 +25,16 @@
 //   ncu --set full -k regex:wmatmul --launch-skip 3 --launch-count 1 -o rep \
 //        ./wmatmul_harness nvfp4 8192 28672 16 32 1 5
 //
-// Time per launch: cudaEvent time over REPS back-to-back launches / REPS (device time: a
-// launch takes 50-900 us, far above the launch cost), rotating over enough weight copies
-// (>= 256 MiB together, >= 128 MiB of scales) that no launch finds its weight or scales in
-// L2. Weight (N, K) with the
+// Time per launch: cudaEvent time over REPS back-to-back launches / REPS, rotating over
+// enough weight copies (>= 256 MiB together, >= 128 MiB of scales) that no launch finds
+// its weight or scales in L2. Weight (N, K) with the
 // formats' usual block sizes (nvfp4 16, mxfp4 32, nf4 64, int4 128 with bf16 scales), x
 // bf16 (JF4_F16_X: f16), one-level nvfp4. Without the split reduction and x permutation that the JAX path
 // adds (bench_matmul.py measures those too).
-#include "cuda/wmatmul.cu"
+#include "cuda/wmatmul/launch.h"
+
+#include <algorithm>
+#include <string>
 
 #include <cstdio>
 #include <cstdlib>
@@ -156,7 +163,7 @@ int main(int argc, char** argv) {
   // enough copies that neither the weights (>= 256 MiB) nor their scales alone (>= 128 MiB,
   // 2.5x the H100's L2) are found in L2 by a later launch: the scale boxes are copied with
   // normal eviction, and with two copies of 8192 x 28672 nvfp4 (15 MB of scales each) the
-  // scales stayed in L2 and the harness timed 5 us less than JAX (benchmarks/log/NOTES.md round 13)
+  // scales stayed in L2 between launches (benchmarks/log/NOTES.md)
   const size_t ceil_div_w = ((size_t(256) << 20) + per_copy - 1) / per_copy;
   const size_t ceil_div_s = ((size_t(128) << 20) + scale_bytes - 1) / scale_bytes;
   // (no more than the launches, 3 warm-up + reps: a sanitizer run of a small weight with
@@ -187,20 +194,8 @@ int main(int argc, char** argv) {
 
   auto launch_one = [&](int i) {
     const int c = i % copies;
-    cudaError_t e;
-    switch (fmt) {
-#define JF4_CASE(F)                                                                                  \
-  case F:                                                                                            \
-    e = f16_x ? launch_decode<F, false>(0, x, codes[c], scales[c], zeros[c], ts, out, p, splits, tile_m) \
-              : launch_decode<F, true>(0, x, codes[c], scales[c], zeros[c], ts, out, p, splits, tile_m); \
-    break;
-      JF4_CASE(kNVFP4)
-      JF4_CASE(kMXFP4)
-      JF4_CASE(kNF4)
-      JF4_CASE(kINT4)
-#undef JF4_CASE
-      default: e = cudaErrorInvalidValue;
-    }
+    const cudaError_t e = launch_wmatmul(fmt, !f16_x, 0, x, codes[c], scales[c], zeros[c], ts, out, p,
+                                         splits, tile_m);
     CK(e);
   };
   const float us = time_us(launch_one, reps);

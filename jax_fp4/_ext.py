@@ -118,7 +118,7 @@ def format_table_problems(table) -> list[str]:
 def has_kernels(platform: str, target: str | None = None) -> bool:
     """True if compiled handlers are registered for ``platform`` ("cpu" or "cuda").
 
-    With ``target`` (e.g. ``"jax_fp4_quantize_v1"``), whether that target is."""
+    With ``target`` (e.g. ``"jax_fp4_quantize_v2"``), whether that target is."""
     _load()
     plat = _PLATFORM_NAMES.get(platform.lower(), platform)
     if target is not None:

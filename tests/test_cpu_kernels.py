@@ -360,22 +360,6 @@ def test_quantize_swizzled_scales(variant):
         assert_bytes_equal(got[2], want[2], "zeros", ctx)
 
 
-def test_quantize_v1_target_still_served():
-    """jax_fp4_quantize_v1 (no `swizzled` attribute; named by older jax.export artifacts)
-    = v2 with linear scales."""
-    rng = _rng("v1")
-    x = make_x(rng, 129, 64, 16, "nvfp4", DTYPES["float32"])
-    ts = make_ts(rng, x)
-    out = (jax.ShapeDtypeStruct((129, 32), jnp.uint8), jax.ShapeDtypeStruct((129, 4), jnp.uint8),
-           jax.ShapeDtypeStruct((0,), jnp.uint8))
-    got = _run(lambda x, ts: jax.ffi.ffi_call("jax_fp4_quantize_v1", out)(
-        x, ts, fmt=np.int32(0), block_size=np.int64(16), rceil=np.int32(0),
-        two_level=np.int32(1)), x, ts)
-    want = _run(lambda x, ts: ffi_quantize(x, ts, "nvfp4", 16, two_level=True), x, ts)
-    for g, w, what in zip(got, want, ("codes", "scales", "zeros")):
-        assert_bytes_equal(g, w, what)
-
-
 # fake_quantize rounds INT4 scales to x's dtype: only the matching int4 variants.
 FAKE_CASES = [(v, d) for v in VARIANTS for d in DTYPES
               if v[0] != "int4" or v[2]["scale_dtype"] == d]
@@ -578,10 +562,11 @@ def test_ext_api():
     assert _ext.load_error() is None, _ext.load_error()
     assert _ext.has_kernels("cpu")
     targets = _ext.registered_targets()
-    for name in ("jax_fp4_quantize_v1", "jax_fp4_quantize_v2", "jax_fp4_dequantize_v1",
+    for name in ("jax_fp4_quantize_v2", "jax_fp4_quantize_sr_v1", "jax_fp4_dequantize_v1",
                  "jax_fp4_fake_quantize_v1"):
         assert "cpu" in targets[name]
         assert _ext.has_kernels("cpu", name)
+    assert "jax_fp4_quantize_v1" not in targets  # superseded by v2 before any release
     info = _ext.build_info()
     assert {"version", "cuda", "cuda_archs", "compiler"} <= set(info)
     assert _ext.has_kernels("cuda") == any("CUDA" in p for p in targets.values())

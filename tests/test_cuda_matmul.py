@@ -37,7 +37,7 @@ def _mma_only(monkeypatch):
     monkeypatch.setattr(G, "gpu_props", lambda ctx=None: G.GpuProps(8, sms))
 
 
-# Every decode path of csrc/cuda/wmatmul.cu: the bit path (nvfp4 one level, mxfp4 with bf16
+# Every decode path of csrc/cuda/wmatmul/: the bit path (nvfp4 one level, mxfp4 with bf16
 # x, int4 with scales in x's dtype, incl. 16-element groups, and int4 with f16 scales and
 # bf16 x, the split scale) and the table path (nvfp4 with a per-tensor scale, nf4, bnb_fp4,
 # mxfp4 with f16 x, int4 with other scale dtypes).
@@ -244,7 +244,7 @@ def test_fused_wmatmul_decode_bit_exact(fmt, bs, kw, dtype, family, rng, monkeyp
 @pytest.mark.parametrize("family", ["wgmma", "mma"])
 def test_fused_int4_split_scale_specials(family, rng, monkeypatch):
     """int4 with f16 scales and bf16 x (the bit path with the scale split in two bf16
-    factors, csrc/cuda/wmatmul.cu make_dec): scales from random f16 bits (subnormals,
+    factors, csrc/cuda/wmatmul/decode.cuh make_dec): scales from random f16 bits (subnormals,
     65504, +-0, low mantissa bits set) decoded bit for bit; an infinite or NaN scale makes
     its column NaN as in the reference ((q - z) * inf is inf or, where q = z, NaN, and a
     one-hot x adds 0 * inf)."""
@@ -275,7 +275,7 @@ def test_fused_int4_split_scale_specials(family, rng, monkeypatch):
 def test_fused_mxfp4_every_scale_bit_exact(dtype, family, rng, monkeypatch):
     """mxfp4's bit path at every E8M0 scale 0..255, x bf16 and f16 (f16: the scale as
     2^clamp(T + 14, -24, 15) then, past 2, 2^min(T - 1, 15) and 2^15: f16 subnormals,
-    rounding to zero, overflow to inf; csrc/cuda/wmatmul.cu make_decs): output column c has
+    rounding to zero, overflow to inf; csrc/cuda/wmatmul/decode.cuh make_decs): output column c has
     scale c in block 1, whose codes are all zero but row `r0`'s (every code, both signs,
     across the columns); the other blocks are random codes at scales 2^-20..2^1. x = one-hot
     rows, r0 first: got equals x @ the reference's decoded weight in float64 bit for bit
@@ -304,7 +304,7 @@ def test_fused_mxfp4_every_scale_bit_exact(dtype, family, rng, monkeypatch):
 
 # mxfp4's bit path multiplies by two scale factors, the second 1 unless E8M0 > 128; the
 # wgmma kernel skips it where every lane of a warp has block scales <= 2 (csrc/cuda/
-# wmatmul.cu, make_decs and mx_scale_fixup). The default
+# wmatmul/decode.cuh, make_decs and mx_scale_fixup). The default
 # weights above put most warps (16 output columns at 10^-3..10^2) on the second path, so
 # here: weights whose blocks are all small (one multiply everywhere; a zero block, and a
 # subnormal one whose scale is E8M0 = 0, 2^-127), the same with one large block in every
@@ -499,18 +499,9 @@ def test_wmatmul_handler_rejects_foreign_block_size(fmt, bs):
         jax.block_until_ready(jax.jit(lambda *a: call(
             *a, **_attrs(fmt, bs, two_level=False), splits=np.int64(1),
             tile_m=np.int64(0), cluster=np.int64(1), tiled=np.int32(0)))(*args))
-    # jax_fp4_wmatmul_v2 (artifacts from before the `tiled` attribute) still binds
-    v2 = jax.ffi.ffi_call("jax_fp4_wmatmul_v2", jax.ShapeDtypeStruct((1, m, n), jnp.float32))
-    with pytest.raises(Exception, match=rf"`block_size` = {bs}: the fused kernel decodes nvfp4"):
-        jax.block_until_ready(jax.jit(lambda *a: v2(
-            *a, **_attrs(fmt, bs, two_level=False), splits=np.int64(1),
-            tile_m=np.int64(0), cluster=np.int64(1)))(*args))
-    # jax_fp4_wmatmul_v1 (artifacts from before the `cluster` attribute) still binds
-    v1 = jax.ffi.ffi_call("jax_fp4_wmatmul_v1", jax.ShapeDtypeStruct((1, m, n), jnp.float32))
-    with pytest.raises(Exception, match=rf"`block_size` = {bs}: the fused kernel decodes nvfp4"):
-        jax.block_until_ready(jax.jit(lambda *a: v1(
-            *a, **_attrs(fmt, bs, two_level=False), splits=np.int64(1),
-            tile_m=np.int64(0)))(*args))
+    # only v3 is served (v1 / v2 were never released)
+    from jax_fp4 import _ext
+    assert not {"jax_fp4_wmatmul_v1", "jax_fp4_wmatmul_v2"} & set(_ext.registered_targets())
     # a cluster only for the tile_m = 256 kernel
     with pytest.raises(Exception, match=r"`cluster` = 2 must be 1, or 2 with tile_m = 256 \(got tile_m = 0\)"):
         jax.block_until_ready(jax.jit(lambda *a: call(

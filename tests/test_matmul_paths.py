@@ -257,7 +257,7 @@ def test_scaled_matmul_operands_errors():
 @pytest.mark.parametrize("bit_path", [True, False])
 @pytest.mark.parametrize("m,k,tile_m", [(3, 160, 16), (16, 256, 16), (70, 8000, 128)])
 def test_wmatmul_x_layout(bit_path, m, k, tile_m):
-    """The wgmma kernel's activation order (csrc/cuda/wmatmul.cu): block position
+    """The wgmma kernel's activation order (csrc/cuda/wmatmul/): block position
     32 s2 + 16 hh + 8 sec + 2 tt + e holds element 32 tt + 8 s2 + 4 e + 2 hh + sec (bit
     path) or 32 tt + 8 s2 + 4 hh + 2 sec + e (table path) of its 128-k block; K is
     zero-padded to a multiple of 128, M with zero rows to a multiple of tile_m; a small

@@ -167,15 +167,7 @@ ffi::Error QuantizeSrImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
       where);
 }
 
-// jax_fp4_quantize_v1 (kept for jax.export artifacts that name it): v2 with linear scales.
-ffi::Error QuantizeV1Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer ts,
-                          ffi::Result<ffi::AnyBuffer> codes, ffi::Result<ffi::AnyBuffer> scales,
-                          ffi::Result<ffi::AnyBuffer> zeros, int32_t fmt, int64_t block_size,
-                          int32_t rceil, int32_t two_level) {
-  return QuantizeImpl(pool, x, ts, codes, scales, zeros, fmt, block_size, rceil, two_level, 0);
-}
-
-// Buffers and attributes shared by quantize v1 and v2 (v2 adds `swizzled`).
+// The buffers and attributes of quantize (v2 adds `swizzled` below).
 auto QuantizeBinding() {
   return xla::ffi::Ffi::Bind()
       .Ctx<xla::ffi::ThreadPool>()
@@ -237,8 +229,6 @@ ffi::Error FakeQuantizeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuff
 }  // namespace cpu
 }  // namespace jf4
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4QuantizeV1Cpu, jf4::cpu::QuantizeV1Impl,
-                              jf4::cpu::QuantizeBinding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4QuantizeV2Cpu, jf4::cpu::QuantizeImpl,
                               jf4::cpu::QuantizeBinding().Attr<int32_t>("swizzled"));
 

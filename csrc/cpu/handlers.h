@@ -6,7 +6,6 @@
 #include "xla/ffi/api/ffi.h"
 
 #define JAX_FP4_CPU_HANDLERS(X)                          \
-  X("jax_fp4_quantize_v1", JaxFp4QuantizeV1Cpu)          \
   X("jax_fp4_quantize_v2", JaxFp4QuantizeV2Cpu)          \
   X("jax_fp4_quantize_sr_v1", JaxFp4QuantizeSrV1Cpu)     \
   X("jax_fp4_dequantize_v1", JaxFp4DequantizeV1Cpu)      \

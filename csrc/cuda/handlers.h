@@ -4,10 +4,10 @@
 // platform "CUDA".
 //
 // To add a CUDA handler: define it in a .cu file with
-//   XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4QuantizeV1Cuda, Impl,
+//   XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFp4QuantizeV2Cuda, Impl,
 //       ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()...);
 // (same args / rets / attrs as the CPU handler, csrc/README.md) and add one line
-//   X("jax_fp4_quantize_v1", JaxFp4QuantizeV1Cuda)
+//   X("jax_fp4_quantize_v2", JaxFp4QuantizeV2Cuda)
 // to the list below.
 #ifndef JAX_FP4_CSRC_CUDA_HANDLERS_H_
 #define JAX_FP4_CSRC_CUDA_HANDLERS_H_
@@ -15,12 +15,10 @@
 #include "xla/ffi/api/ffi.h"
 
 #define JAX_FP4_CUDA_HANDLERS(X)                         \
-  X("jax_fp4_quantize_v1", JaxFp4QuantizeV1Cuda)         \
   X("jax_fp4_quantize_v2", JaxFp4QuantizeV2Cuda)         \
+  X("jax_fp4_quantize_sr_v1", JaxFp4QuantizeSrV1Cuda)    \
   X("jax_fp4_dequantize_v1", JaxFp4DequantizeV1Cuda)     \
   X("jax_fp4_fake_quantize_v1", JaxFp4FakeQuantizeV1Cuda) \
-  X("jax_fp4_wmatmul_v1", JaxFp4WMatmulV1Cuda)      \
-  X("jax_fp4_wmatmul_v2", JaxFp4WMatmulV2Cuda)      \
   X("jax_fp4_wmatmul_v3", JaxFp4WMatmulV3Cuda)      \
   X("jax_fp4_tensor_scale_v1", JaxFp4TensorScaleV1Cuda)
 

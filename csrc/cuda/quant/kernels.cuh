@@ -1,0 +1,390 @@
+// Quantize / dequantize / fake-quantize kernels (quant.cu), device side, part 2: chunk
+// indexing (RowCursor), the block-statistics reductions over a block's threads, one
+// chunk's quantization (quantize_chunk: block scale as csrc/codecs.h, then the elements
+// round to nearest or, SR, stochastically: stochastic.cuh) and the kernels. Invariant:
+// every thread of a CTA runs the same number of grid-stride steps (the group reductions
+// may hold barriers).
+#ifndef JAX_FP4_CSRC_CUDA_QUANT_KERNELS_CUH_
+#define JAX_FP4_CSRC_CUDA_QUANT_KERNELS_CUH_
+
+#include "elements.cuh"
+#include "stochastic.cuh"
+
+namespace jf4 {
+namespace cuda {
+namespace {
+
+// ------------------------------------------------------------------ indexing
+struct Params {
+  int64_t n_chunks;  // R * K / 8
+  int64_t cpr;       // chunks per row (K / 16)
+  double inv_cpr;    // 1 / cpr, for row = chunk / cpr without a 64-bit divide
+  int64_t srow, scol;  // the grid stride in chunks as (rows, chunks) = divmod(stride, cpr)
+  int64_t nb;        // blocks per row
+  int G;             // threads per block (block_size / 8), a power of two
+  int log2G;
+  bool two_level;
+  bool rceil;
+  bool swizzled;     // quantize: scales in the 128x4 layout
+  int st;            // INT4 scale storage type
+  int sbytes;        // bytes per stored scale
+};
+
+// chunk / cpr for chunk < 2^50: double estimate, corrected by one step either way.
+__device__ __forceinline__ int64_t row_of(int64_t chunk, const Params& p) {
+  int64_t q = static_cast<int64_t>(static_cast<double>(chunk) * p.inv_cpr);
+  const int64_t r = chunk - q * p.cpr;
+  q += r < 0 ? -1 : (r >= p.cpr ? 1 : 0);
+  return q;
+}
+
+// Row and chunk-in-row of a thread's chunk, moved along the grid stride with adds only
+// (one division when the kernel starts).
+struct RowCursor {
+  int64_t row, col;
+  __device__ RowCursor(int64_t chunk, const Params& p) : row(row_of(chunk, p)) {
+    col = chunk - row * p.cpr;
+  }
+  __device__ void advance(const Params& p) {
+    row += p.srow;
+    col += p.scol;
+    if (col >= p.cpr) {
+      col -= p.cpr;
+      ++row;
+    }
+  }
+};
+
+// Index of the scale of the block holding chunk `chunk` (at `at`) in the scales buffer
+// (linear or 128x4 swizzled).
+__device__ __forceinline__ int64_t scale_slot(int64_t chunk, const RowCursor& at,
+                                              const Params& p) {
+  return p.swizzled ? scale_offset(at.row, at.col >> p.log2G, p.nb, true) : chunk >> p.log2G;
+}
+
+// Bytes per stored scale: E4M3 / E8M0 bytes, f32 absmax, INT4 in its storage type.
+template <int FMT>
+__device__ __forceinline__ int scale_bytes_of(const Params& p) {
+  return FMT == kINT4 ? p.sbytes : (is_codebook(FMT) ? 4 : 1);
+}
+
+__device__ void store_scale(void* scales, int64_t idx, int sbytes, uint32_t bits) {
+  if (sbytes == 1) static_cast<uint8_t*>(scales)[idx] = static_cast<uint8_t>(bits);
+  else if (sbytes == 2) static_cast<uint16_t*>(scales)[idx] = static_cast<uint16_t>(bits);
+  else static_cast<uint32_t*>(scales)[idx] = bits;
+}
+__device__ uint32_t load_scale(const void* scales, int64_t idx, int sbytes) {
+  if (sbytes == 1) return __ldg(static_cast<const uint8_t*>(scales) + idx);
+  if (sbytes == 2) return __ldg(static_cast<const uint16_t*>(scales) + idx);
+  return __ldg(static_cast<const uint32_t*>(scales) + idx);
+}
+
+// ------------------------------------------------------------------ group reductions
+// Reduce over the G threads of a quantization block (G a power of two, aligned groups).
+template <typename Op>
+__device__ uint32_t group_reduce(uint32_t v, int G, Op op, uint32_t* smem) {
+  const int lanes = G < 32 ? G : 32;
+  for (int o = lanes / 2; o > 0; o /= 2) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+  if (G <= 32) return v;
+  // G in {64, ..., 512}: combine the G/32 warps of the group through shared memory.
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __syncthreads();
+  if (lane == 0) smem[warp] = v;
+  __syncthreads();
+  const int first = warp & ~(G / 32 - 1);
+  uint32_t r = smem[first];
+  for (int w = 1; w < G / 32; ++w) r = op(r, smem[first + w]);
+  return r;
+}
+
+struct MaxU { __device__ uint32_t operator()(uint32_t a, uint32_t b) const { return a > b ? a : b; } };
+struct MinI {
+  __device__ uint32_t operator()(uint32_t a, uint32_t b) const {
+    return static_cast<int32_t>(a) < static_cast<int32_t>(b) ? a : b;
+  }
+};
+struct MaxI {
+  __device__ uint32_t operator()(uint32_t a, uint32_t b) const {
+    return static_cast<int32_t>(a) > static_cast<int32_t>(b) ? a : b;
+  }
+};
+
+// ------------------------------------------------------------------ quantize one chunk
+// Codes (unpacked), scale bits and INT4 zero point of one chunk; every thread of the
+// block's group gets the same scale. amax: this chunk's absmax bits (before the group
+// reduction); tsr: the row's tensor scale (NVFP4 two-level). SR: the elements round
+// stochastically with the chunk's 16 random words `rnd` (stochastic.cuh), else to nearest;
+// the block scale is the same either way.
+template <int FMT, bool SR = false>
+__device__ void quantize_chunk(const float* v, uint32_t amax, float tsr, const Params& p,
+                               Tables& t, float4 b, uint32_t* codes, uint32_t* scale_bits,
+                               uint32_t* zero, const uint32_t* rnd = nullptr) {
+  *zero = 0;
+  if constexpr (FMT == kINT4) {
+    uint32_t kmin = 0x7fffffffu, kmax = 0x80000000u;
+#pragma unroll
+    for (int i = 0; i < kChunk; ++i) {
+      const uint32_t k = static_cast<uint32_t>(f32_order_key(v[i]));
+      kmin = MinI()(kmin, k);
+      kmax = MaxI()(kmax, k);
+    }
+    amax = group_reduce(amax, p.G, MaxU(), t.red);
+    kmin = group_reduce(kmin, p.G, MinI(), t.red);
+    kmax = group_reduce(kmax, p.G, MaxI(), t.red);
+    if (bits_nonfinite(amax)) {
+#pragma unroll
+      for (int i = 0; i < kChunk; ++i) codes[i] = 0;
+      *scale_bits = scale_nan_bits(p.st);
+      return;
+    }
+    const Int4Params q = int4_params(f32_from_order_key(static_cast<int32_t>(kmin)),
+                                     f32_from_order_key(static_cast<int32_t>(kmax)), p.st);
+#pragma unroll
+    for (int i = 0; i < kChunk; ++i)
+      codes[i] = SR ? int4_encode_sr(v[i], q.s, q.z, rnd[i]) : int4_encode(v[i], q.s, q.z);
+    *scale_bits = q.scale_bits;
+    *zero = static_cast<uint32_t>(static_cast<int32_t>(q.z));
+  } else {
+    amax = group_reduce(amax, p.G, MaxU(), t.red);
+    bool bad = bits_nonfinite(amax);
+    if (FMT == kNVFP4 && p.two_level) bad = bad || nvfp4_bad_tensor_scale(tsr);
+    if (bad) {
+#pragma unroll
+      for (int i = 0; i < kChunk; ++i) codes[i] = 0;
+      *scale_bits = FMT == kNVFP4 ? kE4M3NaN : (is_mx(FMT) ? kE8M0NaN : kQuietNaNBits);
+      return;
+    }
+    float mult;
+    if constexpr (FMT == kNVFP4) {
+      const uint32_t sc = p.two_level ? nvfp4_scale_code<true>(u2f(amax), tsr)
+                                      : nvfp4_scale_code<false>(u2f(amax), tsr);
+      mult = p.two_level ? nvfp4_elem_mult<true>(sc, tsr) : nvfp4_elem_mult<false>(sc, tsr);
+      *scale_bits = sc;
+    } else if constexpr (is_mx(FMT)) {
+      const uint32_t sc = mx_scale_code<FMT>(amax, p.rceil);
+      mult = e8m0_inverse(sc);
+      *scale_bits = sc;
+    } else {
+      mult = codebook_mult(amax);
+      *scale_bits = amax;
+    }
+    if constexpr (SR) {
+#pragma unroll
+      for (int i = 0; i < kChunk; ++i) {
+        if constexpr (FMT == kNVFP4) codes[i] = nvfp4_encode_sr(v[i], mult, rnd[i]);
+        else if constexpr (is_mx(FMT)) codes[i] = mx_encode_sr<FMT>(v[i], *scale_bits, rnd[i]);
+        else codes[i] = codebook_encode_sr<FMT>(v[i], mult, rnd[i]);
+      }
+    } else {
+      encode16<FMT>(v, mult, b, t, codes);
+    }
+  }
+}
+
+// Codebook boundaries B3, B7, B11 (the first two binary-search levels) in registers.
+template <int FMT>
+__device__ float4 codebook_b(const Tables& t) {
+  if constexpr (is_codebook(FMT)) return make_float4(t.bnd[3], t.bnd[7], t.bnd[11], 0.0f);
+  return make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+}
+
+// The row tensor scale of a live chunk (NVFP4 two-level; 0 otherwise).
+template <int FMT>
+__device__ __forceinline__ float chunk_ts(const float* ts, int64_t row, bool live,
+                                          const Params& p) {
+  return (FMT == kNVFP4 && p.two_level && live) ? __ldg(ts + row) : 0.0f;
+}
+
+// ------------------------------------------------------------------ kernels
+// Grid-stride loop over chunks, software-pipelined: load(chunk, at) -> Raw of the
+// thread's next chunk is issued before body(chunk, at, raw) runs for this one, so 2 x 32
+// bytes of bf16 input per thread are in flight (`at`: the chunk's row and column).
+// load() must return a harmless value past the end; every thread of a CTA runs the same
+// number of steps, so a body may hold barriers.
+template <typename Raw, typename Load, typename Body>
+__device__ __forceinline__ void for_each_chunk(const Params& p, Load load, Body body) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  int64_t chunk = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  RowCursor at(chunk, p);
+  Raw cur = load(chunk, at);
+  for (; chunk - threadIdx.x < p.n_chunks; chunk += stride) {  // uniform over the CTA
+    RowCursor at_next = at;
+    at_next.advance(p);
+    const Raw nxt = load(chunk + stride, at_next);
+    body(chunk, at, cur);
+    cur = nxt;
+    at = at_next;
+  }
+}
+
+// x chunk, or zeros past the end.
+template <typename L>
+__device__ __forceinline__ typename L::Raw load_x(const typename L::storage* x, int64_t chunk,
+                                                  int64_t n_chunks) {
+  return chunk < n_chunks ? L::load(x + chunk * kChunk) : typename L::Raw{};
+}
+
+// SR: stochastic rounding with rand (R, K) uint32, one word per element in x's order
+// (jax_fp4_quantize_sr_v1); else rand is unused (nullptr).
+template <int FMT, typename L, bool SR = false>
+__global__ void __launch_bounds__(kThreads, 2) quantize_kernel(
+    const typename L::storage* __restrict__ x, const float* __restrict__ ts,
+    const uint32_t* __restrict__ rand, uint8_t* __restrict__ codes, void* __restrict__ scales,
+    uint8_t* __restrict__ zeros, Params p) {
+  __shared__ Tables t;
+  build_encode_tables<FMT>(t);
+  __syncthreads();
+  const float4 b = codebook_b<FMT>(t);
+  for_each_chunk<typename L::Raw>(
+      p, [&](int64_t c, const RowCursor&) { return load_x<L>(x, c, p.n_chunks); },
+      [&](int64_t chunk, const RowCursor& at, const typename L::Raw& raw) {
+        const bool live = chunk < p.n_chunks;  // n_chunks is a multiple of G: whole groups
+        float v[kChunk];
+        L::to_f32(raw, v);
+        uint32_t c[kChunk], sb, z;
+        uint32_t r[SR ? kChunk : 1] = {};
+        if constexpr (SR) {
+          if (live) {  // 64 bytes per chunk: 16-byte aligned in XLA's buffers
+            const uint4* rp = reinterpret_cast<const uint4*>(rand + chunk * kChunk);
+#pragma unroll
+            for (int i = 0; i < kChunk / 4; ++i) {
+              const uint4 w = __ldcs(rp + i);  // read once
+              r[4 * i] = w.x;
+              r[4 * i + 1] = w.y;
+              r[4 * i + 2] = w.z;
+              r[4 * i + 3] = w.w;
+            }
+          }
+        }
+        quantize_chunk<FMT, SR>(v, L::amax_bits(raw), chunk_ts<FMT>(ts, at.row, live, p), p, t,
+                                b, c, &sb, &z, r);
+        if (!live) return;
+        store_packed<kBits<FMT>>(codes + chunk * kChunkBytes<FMT>, pack16<kBits<FMT>>(c));
+        if ((chunk & (p.G - 1)) == 0) {
+          const int64_t blk = chunk >> p.log2G;
+          store_scale(scales, scale_slot(chunk, at, p), scale_bytes_of<FMT>(p), sb);
+          if (FMT == kINT4) zeros[blk] = static_cast<uint8_t>(z);
+        }
+      });
+}
+
+template <int FMT, typename L>
+__global__ void __launch_bounds__(kThreads, 2) fake_quantize_kernel(
+    const typename L::storage* __restrict__ x, const float* __restrict__ ts,
+    typename L::storage* __restrict__ y, Params p) {
+  __shared__ Tables t;
+  build_encode_tables<FMT>(t);
+  build_decode_table<FMT>(t);
+  __syncthreads();
+  const float4 b = codebook_b<FMT>(t);
+  for_each_chunk<typename L::Raw>(
+      p, [&](int64_t c, const RowCursor&) { return load_x<L>(x, c, p.n_chunks); },
+      [&](int64_t chunk, const RowCursor& at, const typename L::Raw& raw) {
+        const bool live = chunk < p.n_chunks;
+        float v[kChunk];
+        L::to_f32(raw, v);
+        const float tsr = chunk_ts<FMT>(ts, at.row, live, p);
+        uint32_t c[kChunk], sb, z;
+        quantize_chunk<FMT>(v, L::amax_bits(raw), tsr, p, t, b, c, &sb, &z);
+        if (!live) return;
+        // every thread of the group holds the block's scale: decode locally
+        decode16<FMT>(pack16<kBits<FMT>>(c), block_factor<FMT>(sb, p.two_level, tsr, p.st),
+                     static_cast<float>(z), t, v);
+        L::store(y + chunk * kChunk, v);
+      });
+}
+
+// What dequantize reads for one chunk: packed codes, scale bits, zero point, row scale.
+struct Coded {
+  uint4 pk;
+  uint32_t sb, z;
+  float tsr;
+};
+
+// Dequantize handles two chunks per thread and step, one in each half of the tensor:
+// twice the loads in flight per thread (the kernel runs at one CTA per SM, where
+// write-heavy streams reach the most DRAM bandwidth, benchmarks/log/NOTES.md).
+struct Coded2 {
+  Coded c[2];
+};
+
+template <int FMT, typename L>
+__global__ void __launch_bounds__(kThreads, 1) dequantize_kernel(
+    const uint8_t* __restrict__ codes, const void* __restrict__ scales,
+    const uint8_t* __restrict__ zeros, const float* __restrict__ ts,
+    typename L::storage* __restrict__ y, Params p) {
+  __shared__ Tables t;
+  build_decode_table<FMT>(t);
+  __syncthreads();
+  const int64_t half = (p.n_chunks + 1) / 2;
+  auto load_one = [&](int64_t chunk, int64_t row) {
+    Coded c{make_uint4(0, 0, 0, 0), 0, 0, 0.0f};
+    if (chunk < p.n_chunks) {
+      c.pk = load_packed<kBits<FMT>>(codes + chunk * kChunkBytes<FMT>);
+      const int64_t blk = chunk >> p.log2G;
+      c.sb = load_scale(scales, blk, scale_bytes_of<FMT>(p));
+      if (FMT == kINT4) c.z = __ldg(zeros + blk);
+      c.tsr = chunk_ts<FMT>(ts, row, true, p);
+    }
+    return c;
+  };
+  auto decode_one = [&](int64_t chunk, const Coded& c) {
+    if (chunk >= p.n_chunks) return;
+    float v[kChunk];
+    decode16<FMT>(c.pk, block_factor<FMT>(c.sb, p.two_level, c.tsr, p.st),
+                  static_cast<float>(c.z), t, v);
+    L::store(y + chunk * kChunk, v);
+  };
+  Params first_half = p;
+  first_half.n_chunks = half;
+  const bool rows = FMT == kNVFP4 && p.two_level;
+  for_each_chunk<Coded2>(
+      first_half,
+      [&](int64_t chunk, const RowCursor& at) {
+        const int64_t c2 = chunk + half;
+        return Coded2{{load_one(chunk < half ? chunk : p.n_chunks, at.row),
+                       load_one(chunk < half ? c2 : p.n_chunks, rows ? row_of(c2, p) : 0)}};
+      },
+      [&](int64_t chunk, const RowCursor&, const Coded2& c) {
+        if (chunk >= half) return;
+        decode_one(chunk, c.c[0]);
+        decode_one(chunk + half, c.c[1]);
+      });
+}
+
+// max |x| over the tensor as float32 bits (codecs.h block_absmax_bits over everything),
+// atomically max-ed into *out (zeroed before the launch): the per-tensor amax of NVFP4
+// tensor_scale="auto", one read of x. tensor_scale_kernel then turns it into the scale.
+template <typename L>
+__global__ void __launch_bounds__(kThreads) amax_kernel(const typename L::storage* __restrict__ x,
+                                                        int64_t n, uint32_t* __restrict__ out) {
+  __shared__ uint32_t red[kThreads / 32];
+  const int64_t n_chunks = n / kChunk;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  int64_t c = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  uint32_t m = 0;
+  for (; c + 3 * stride < n_chunks; c += 4 * stride) {
+    typename L::Raw r[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) r[u] = L::load(x + (c + u * stride) * kChunk);
+#pragma unroll
+    for (int u = 0; u < 4; ++u) m = max(m, L::amax_bits(r[u]));
+  }
+  for (; c < n_chunks; c += stride) m = max(m, L::amax_bits(L::load(x + c * kChunk)));
+  if (blockIdx.x == 0 && threadIdx.x < n - n_chunks * kChunk) {  // the last n % 8 elements
+    m = max(m, f2u(L::scalar(x + n_chunks * kChunk + threadIdx.x)) & kAbsMask);
+  }
+  m = __reduce_max_sync(0xffffffffu, m);
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = m;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kThreads / 32; ++w) m = max(m, red[w]);
+    atomicMax(out, m);
+  }
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace jf4
+
+#endif  // JAX_FP4_CSRC_CUDA_QUANT_KERNELS_CUH_
