@@ -119,7 +119,7 @@ def from_blocked(blocked, shape):
 
 
 # The prepared ("tiled") weight layout of :func:`jax_fp4.prepare`, read by the fused W4A16
-# wgmma kernel (csrc/cuda/wmatmul.cu, wg_tiled_side_bytes): rows in tiles of TILE_ROWS, K in
+# wgmma kernel (csrc/cuda/wmatmul/wgmma_config.cuh, wg_tiled_side_bytes): rows in tiles of TILE_ROWS, K in
 # steps of TILE_K; a (rows, cols) buffer of codes, scales or zero points with `per_step` =
 # its columns per TILE_K elements (64 code bytes of 4-bit elements, TILE_K / block_size
 # scales or zero points) is stored tile by tile, [row tile][k step][row in tile][per_step],
@@ -127,7 +127,7 @@ def from_blocked(blocked, shape):
 # only bytes move.
 TILE_ROWS = 128
 TILE_K = 128
-# A step's scale and zero-point bytes the kernel has room for (wmatmul.cu kWgTiledSide), for
+# A step's scale and zero-point bytes the kernel has room for (wmatmul/wgmma_config.cuh kWgTiledSide), for
 # the formats whose block size and scale dtype vary (int4, nf4, bnb_fp4).
 TILED_SIDE_BYTES = 2048
 _SPEC_BLOCK = {"nvfp4": 16, "mxfp4": 32}  # the kernel decodes these in their spec blocks

@@ -423,7 +423,7 @@ def matmul(x, w: QArray):
 
     On CUDA, with bf16/f16 x and a 4-bit weight (nvfp4, mxfp4, nf4, bnb_fp4, int4;
     K % 32 == 0; power-of-two block size), this runs the fused W4A16 kernel
-    (csrc/cuda/wmatmul.cu) up to a number of rows of x that depends on the GPU, the
+    (csrc/cuda/wmatmul/) up to a number of rows of x that depends on the GPU, the
     format and the dtypes (any M for a weight through ``jax_fp4.prepare`` on a Hopper GPU
     with an sm_90a build); otherwise dequantize + XLA dot. The launch policy and why:
     docs/kernels.md; the measurements behind it: benchmarks/RESULTS.md.

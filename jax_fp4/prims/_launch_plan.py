@@ -1,4 +1,4 @@
-"""The launch policy of the fused W4A16 CUDA kernels (csrc/cuda/wmatmul.cu): one pure
+"""The launch policy of the fused W4A16 CUDA kernels (csrc/cuda/wmatmul/): one pure
 function, :func:`wmatmul_plan`, of the problem (M, N, K, formats, dtypes, layout) and the
 target GPU's :class:`~jax_fp4.prims._gpu.GpuProps`, fed by one tuning table,
 :data:`TUNING`. Nothing here queries a device, so every rule is tested on CPU.
@@ -46,8 +46,8 @@ class Tuning:
       decodes otherwise than its max_m_wgmma entry was measured on.
     max_m_wgmma_tiled: ... for a weight in the prepared layout (no limit).
     cluster_max_splits: the most K-splits the wgmma kernel sums in one cluster
-      (wmatmul.cu kWgMaxClusterSplits: the portable cluster size); more take XLA's sum
-      of the float32 partials.
+      (csrc/cuda/wmatmul/wgmma_config.cuh kWgMaxClusterSplits: the portable cluster
+      size); more take XLA's sum of the float32 partials.
     direct_max_m: most rows of x for the direct mma.sync kernel (the staged one beyond).
     geometry: {kernel: (rows per CTA, k per super-step, resident CTAs per SM, fewest
       super-steps per split)} for "direct", "staged" and the wgmma kernel by tile_m. The
@@ -138,8 +138,8 @@ class WmatmulPlan:
 
 
 def wmatmul_decode(fmt, x_dtype, two_level, scale_dtype):
-    """How the kernels decode this weight (csrc/cuda/wmatmul.cu's use_bit_path, which also
-    picks x's pairing): "bits" (bit placement and exact packed multiplies: one-level nvfp4,
+    """How the kernels decode this weight (csrc/cuda/wmatmul/launch.h use_bit_path, which
+    also picks x's pairing): "bits" (bit placement and exact packed multiplies: one-level nvfp4,
     mxfp4, int4 with scales in x's dtype), "split" (int4 with f16 scales and bf16 x,
     AWQ's scales in a bf16 model: the bit path with each scale split into two bf16
     factors) or "table" (a shared-memory table and float32 arithmetic: everything else).
@@ -160,7 +160,7 @@ def wmatmul_folded(fmt, x_dtype, two_level):
     """Whether the kernels decode with one multiply per pair by folding the bit placement's
     factor into the block scale and the accumulator: nvfp4 (one or two levels: the
     per-tensor scale multiplies the accumulator) with bf16 or f16 `x_dtype`
-    (csrc/cuda/wmatmul.cu, kFold)."""
+    (csrc/cuda/wmatmul/decode.cuh, kFold)."""
     return fmt == "nvfp4"
 
 
@@ -322,8 +322,8 @@ def _launches(row0, m, n, k, fmt, x_dtype, out_dtype, decode, tiled, gpu, t):
                 + _launches(row0 + head, m - head, n, k, fmt, x_dtype, out_dtype, decode,
                             tiled, gpu, t))
     cluster = wmatmul_cluster(fmt, m, tile_m, tiled, t)
-    # the kernel sums the K-splits itself (one cluster per tile, csrc/cuda/wmatmul.cu
-    # wg_reduce_splits) where its tile allows: one launch, no partial sums in HBM
+    # the kernel sums the K-splits itself (one cluster per tile, wg_reduce_splits in
+    # csrc/cuda/wmatmul/) where its tile allows: one launch, no partial sums in HBM
     reduce = 1 < splits <= t.cluster_max_splits and 0 < tile_m <= 128 and cluster == 1
     final = ((splits == 1 or reduce)
              and np.dtype(out_dtype) in (np.dtype(x_dtype), np.dtype(np.float32)))

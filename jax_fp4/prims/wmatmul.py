@@ -2,7 +2,7 @@
 and a quantized weight, within the W4A16 tolerance of the exact sum (docs/spec.md section
 5). Differentiable in x (transpose: through the dequantized weight).
 
-Lowering: on CUDA the fused kernel (csrc/cuda/wmatmul.cu, FFI target jax_fp4_wmatmul_v3)
+Lowering: on CUDA the fused kernel (csrc/cuda/wmatmul/, FFI target jax_fp4_wmatmul_v3)
 as :func:`jax_fp4.prims._launch_plan.wmatmul_plan` plans it for the target GPU, where it
 covers the call; elsewhere (and beyond its size limits) dequantize + XLA's dot.
 """
@@ -91,7 +91,7 @@ _X_PAIRS_MIN_SIZE = 1 << 19
 def wmatmul_x_layout(x, bit_path, tile_m=1):
     """x (M, K) -> (M', K128) as the wgmma kernel stages it: K zero-padded to a multiple of
     128 and permuted within each 128-k block into the k order of the kernel's A fragments
-    (csrc/cuda/wmatmul.cu, "wgmma kernel"); M' = M rounded up to a multiple of `tile_m`
+    (csrc/cuda/wmatmul/wgmma_kernel.cuh); M' = M rounded up to a multiple of `tile_m`
     with zero rows, so that no activation box of the tensor memory accelerator reaches past
     x's rows (boxes partly out of bounds made the kernel markedly slower at tile_m >= 64).
     Block position 32 s2 + 16 hh + 8 sec + 2 tt + e holds element 32 tt + 8 s2 + 4 e +
