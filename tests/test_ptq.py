@@ -87,61 +87,108 @@ def _rtn_one(w):
 
 
 # ----------------------------------------------------------------------------- GPTQ
-def _np_scales_and_q(fmt, wblk, pts):
-    """NumPy float64 RTN scale of (N, bs) blocks and the quantizer of a column with it."""
+SHRINK = np.linspace(1.0, 0.6, 9)  # the block-range multipliers of jax_fp4.ptq.mse
+
+
+def _np_candidates(fmt, wblk, pts):
+    """NumPy float64 candidate quantizers of (N, bs) blocks, RTN's first (jax_fp4.ptq.mse):
+    a list of functions x (N, m) -> Q(x) with one block scale per row."""
     f = jf.get_format(fmt)
+    e2m1 = lambda x, S: np.clip(x / S, -6, 6).astype(ml_dtypes.float4_e2m1fn).astype(np.float64) * S  # noqa: E731
     if fmt == "nvfp4":
         amax = np.abs(wblk).max(1)
-        s = np.clip(amax / 6.0 / pts, 2.0 ** -6, 448.0).astype(ml_dtypes.float8_e4m3fn)
-        S = s.astype(np.float64) * pts
-        return lambda x: np.clip(x / S, -6, 6).astype(ml_dtypes.float4_e2m1fn).astype(np.float64) * S
+
+        def code(div):
+            s = np.clip(amax / div / pts, 2.0 ** -6, 448.0)
+            return s.astype(ml_dtypes.float8_e4m3fn).view(np.uint8).astype(np.int64)
+        codes = [code(6.0) + d for d in (0, -3, -2, -1, 1, 2)] + [code(4.0) + d for d in (-1, 0, 1)]
+        out = []
+        for c in codes:
+            S = np.clip(c, 1, 126).astype(np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64) * pts
+            out.append(lambda x, S=S: e2m1(x, S[:, None]))
+        return out
     if fmt == "mxfp4":
         amax = np.abs(wblk).max(1).astype(np.float32)
-        e = np.clip(np.frexp(amax)[1] - 1 - f.elem.emax, -127, 127)
-        S = np.exp2(e.astype(np.float64))
-        return lambda x: np.clip(x / S, -6, 6).astype(ml_dtypes.float4_e2m1fn).astype(np.float64) * S
+        e = np.frexp(amax)[1] - 1 - f.elem.emax
+        return [lambda x, d=d: e2m1(x, np.exp2(np.clip(e + d, -127, 127))[:, None].astype(np.float64))
+                for d in (0, -2, -1, 1)]
     if fmt == "nf4":
-        a = np.abs(wblk).max(1)
         t = NF4_TABLE.astype(np.float64)
-        return lambda x: t[np.abs((x / a)[:, None] - t[None]).argmin(1)] * a
-    mn, mx = wblk.min(1), wblk.max(1)
-    s = np.maximum(mx - mn, 1e-5) / 15
-    z = np.clip(-np.round(mn / s), 0, 15)
-    return lambda x: (np.clip(np.round(x / s) + z, 0, 15) - z) * s
+        amax = np.abs(wblk).max(1)
+        return [lambda x, a=amax[:, None] * c: t[np.abs((x / a)[..., None] - t).argmin(-1)] * a
+                for c in SHRINK]
+    out = []
+    for c in SHRINK:
+        mn, mx = wblk.min(1) * c, wblk.max(1) * c
+        s = (np.maximum(mx - mn, 1e-5) / 15).astype(np.float32).astype(np.float64)[:, None]
+        z = np.clip(-np.round(mn[:, None] / s), 0, 15)
+        out.append(lambda x, s=s, z=z: (np.clip(np.round(x / s) + z, 0, 15) - z) * s)
+    return out
 
 
-def np_gptq(w_rows, h, fmt, bs, damp=0.01):
-    """Float64 GPTQ, one column at a time (Frantar et al., Algorithm 1 without batching)."""
+def _np_block_quantizer(fmt, wblk, pts, scale_search, dh):
+    """The quantizer of (N, bs) blocks: RTN's scale, or per row the candidate of least
+    sum dh * (w - Q(w))**2 (the first on ties)."""
+    cands = _np_candidates(fmt, wblk, pts)
+    if scale_search == "rtn":
+        return cands[0]
+    err = np.stack([(((wblk - q(wblk)) ** 2) * dh).sum(1) for q in cands])
+    best = err.argmin(0)
+    return lambda x: np.stack([q(x) for q in cands])[best, np.arange(len(best))]
+
+
+def np_gptq(w_rows, h, fmt, bs, damp=0.01, scale_search="rtn", act_order=False):
+    """Float64 GPTQ, one column at a time (Frantar et al., Algorithm 1 without batching).
+
+    Column order: each block's scale is fixed from the error-updated block when its first
+    column comes. act_order: columns by decreasing diag H, each block's scale fixed up
+    front from the original weights ("static groups"). MSE scales weight each channel's
+    error by diag H.
+    """
     w = w_rows.astype(np.float64).copy()
     h = h.astype(np.float64).copy()
     n, k = w.shape
     pts = np.float64(np.float32(np.abs(w_rows).max()) / np.float32(2688)) if fmt == "nvfp4" else None
-    dead = np.diag(h) <= 0
+    dh = np.diag(h).copy()
+    dead = dh <= 0
     h[dead, dead] = 1
     h += np.eye(k) * damp * np.mean(np.diag(h))
+    perm = np.argsort(-dh, kind="stable") if act_order else np.arange(k)
+    if act_order:
+        blocks = [_np_block_quantizer(fmt, w[:, j:j + bs], pts, scale_search, dh[j:j + bs])
+                  for j in range(0, k, bs)]
+    w, h = w[:, perm], h[perm][:, perm]
     u = np.linalg.cholesky(np.linalg.inv(h)).T
     q = np.zeros_like(w)
     for j in range(k):
-        if j % bs == 0:
-            quant = _np_scales_and_q(fmt, w[:, j:j + bs], pts)
-        q[:, j] = quant(w[:, j])
+        if act_order:
+            quant = blocks[perm[j] // bs]
+        elif j % bs == 0:
+            quant = _np_block_quantizer(fmt, w[:, j:j + bs], pts, scale_search, dh[j:j + bs])
+        q[:, j] = quant(w[:, j][:, None])[:, 0]
         e = (w[:, j] - q[:, j]) / u[j, j]
         w[:, j:] -= np.outer(e, u[j, j:])
-    return q
+    return q[:, np.argsort(perm)]
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "nf4", "int4"])
-def test_gptq_matches_float64_numpy(fmt):
+@pytest.mark.parametrize("fmt,scale_search,act_order", [
+    ("nvfp4", "rtn", False), ("mxfp4", "rtn", False), ("nf4", "rtn", False),
+    ("int4", "rtn", False), ("nvfp4", "mse", False), ("mxfp4", "mse", False),
+    ("nf4", "mse", False), ("int4", "mse", False), ("nvfp4", "mse", True),
+    ("int4", "rtn", True)])
+def test_gptq_matches_float64_numpy(fmt, scale_search, act_order):
     rng = np.random.default_rng(45)  # fixed: the comparison counts rounding-boundary flips
     bs = jf.get_format(fmt).default_block
     k, n = 2 * max(bs, 64), 48
     base = rng.standard_normal((1024, k // 4))
-    x = (np.repeat(base, 4, axis=1) + 0.3 * rng.standard_normal((1024, k))).astype(np.float32)
+    # channels of unequal energy, so act-order permutes across blocks
+    x = (np.repeat(base, 4, axis=1) + 0.3 * rng.standard_normal((1024, k)))
+    x = (x * rng.uniform(0.3, 3.0, k)).astype(np.float32)
     w = rng.standard_normal((k, n)).astype(np.float32)  # Flax (in, out)
     h = (x.T.astype(np.float64) @ x).astype(np.float32)
-    q = gptq_quantize(w, h, fmt, axis=0, scale_search="rtn")
+    q = gptq_quantize(w, h, fmt, axis=0, scale_search=scale_search, act_order=act_order)
     got = np.asarray(jf.dequantize(q), np.float64).T
-    want = np_gptq(w.T, h, fmt, bs)
+    want = np_gptq(w.T, h, fmt, bs, scale_search=scale_search, act_order=act_order)
     close = np.isclose(got, want, rtol=1e-5, atol=1e-6)
     # float32 vs float64: a value within rounding of a decision boundary may round the
     # other way (then its error feedback differs too); nearly all must agree exactly.

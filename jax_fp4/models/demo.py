@@ -247,7 +247,7 @@ def run_demo(model_dir=None, variants: Iterable = DEFAULT_VARIANTS, *,
     from .minilm import load_sentence_encoder
 
     from ..nn import quantize_params
-    from ..ptq import Calibration, collect_stats
+    from ..ptq import CALIBRATED, Calibration, collect_stats
 
     variants = [v if isinstance(v, Variant) else parse_variant(v) for v in variants]
     sentences = load_sentences(sentences_file, limit)
@@ -292,13 +292,13 @@ def run_demo(model_dir=None, variants: Iterable = DEFAULT_VARIANTS, *,
             model = quantize_model(enc.model, v.weights, act_format=v.activations,
                                    act_mode=v.act_mode or "fake")
         else:
-            if ptq_calibration is None and v.method in ("gptq", "awq"):
+            if ptq_calibration is None and v.method in CALIBRATED:
                 c = _ptq_calibration(enc, calib_sentences, bs, Calibration)
                 # collected once, shared by every GPTQ / AWQ row
                 ptq_calibration = collect_stats(enc.model, c.batches, c.forward, c.mask,
                                                 progress=progress)
             model = quantize_params(enc.model, v.weights, method=v.method,
-                                    calibration=ptq_calibration if v.method in ("gptq", "awq")
+                                    calibration=ptq_calibration if v.method in CALIBRATED
                                     else None, act_format=v.activations,
                                     act_mode=v.act_mode or "fake", prepare=False,
                                     ptq_options={"progress": progress})
