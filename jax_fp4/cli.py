@@ -282,9 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--formats", nargs="+", metavar="F",
                    help="variants: FORMAT (weight-only) or WEIGHTS:ACTIVATIONS, e.g. nvfp4 "
                    "nf4 nvfp4:nvfp4, the weights optionally with a PTQ method, nvfp4@gptq "
-                   "(mse, gptq, awq; evaluated on held-out sentences) (default: all %d "
-                   "formats weight-only, nvfp4:nvfp4, mxfp8_e4m3:mxfp8_e4m3, then every 4-bit "
-                   "format @mse, @gptq, @awq)" % len(FORMAT_NAMES))
+                   "(mse, gptq, awq, awq+gptq; evaluated on held-out sentences) (default: all "
+                   "%d formats weight-only, nvfp4:nvfp4, mxfp8_e4m3:mxfp8_e4m3, then every "
+                   "4-bit format @mse, @gptq, @awq, @awq+gptq)" % len(FORMAT_NAMES))
     d.add_argument("--act-mode", choices=("auto", "fake", "scaled"), default="auto",
                    help="activations: fake-quantized, or block-scaled matmul (auto: scaled "
                    "when weights and activations are both nvfp4 or both MX)")

@@ -262,6 +262,61 @@ def test_collect_stats_nnx_with_mask(rng):
     assert qm.a.kernel.get_value().shape == (32, 64)
 
 
+def test_sequential_gptq_stages(rng):
+    """Sequential GPTQ: stage k (one block of a layer stack) is GPTQ with the Hessian of
+    its inputs as the model with stages < k quantized produces them; stage 0 sees the
+    float model's."""
+    nnx = pytest.importorskip("flax.nnx")
+    from jax_fp4.nn import quantize_params
+    from jax_fp4.ptq.api import _stages
+
+    class Block(nnx.Module):
+        def __init__(self, seed):
+            self.up = nnx.Linear(64, 128, rngs=nnx.Rngs(seed))
+            self.down = nnx.Linear(128, 64, rngs=nnx.Rngs(seed + 1))
+
+        def __call__(self, x):
+            return x + self.down(jax.nn.relu(self.up(x)))
+
+    class Net(nnx.Module):
+        def __init__(self):
+            self.layers = nnx.List([Block(0), Block(2)])
+
+        def __call__(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    net = Net()
+    batches = [rng.standard_normal((4, 32, 64)).astype(np.float32) for _ in range(2)]
+    calib = Calibration(batches)
+    stats = collect_stats(net, batches, progress=False)
+    names = [f"layers.{i}.{m}.kernel" for i in range(2) for m in ("up", "down")]
+    assert list(stats) == names  # the forward pass's call order
+    assert _stages(names) == [names[:2], names[2:]]
+    assert _stages(["emb.kernel", "layers.0.a.kernel", "head.kernel"]) == [
+        ["emb.kernel"], ["layers.0.a.kernel"], ["head.kernel"]]
+    seq = quantize_params(net, "nf4", method="gptq", calibration=calib, prepare=False)
+    one = quantize_params(net, "nf4", method="gptq", calibration=calib, prepare=False,
+                          ptq_options={"sequential": False})
+    deq = lambda m: np.asarray(jf.dequantize(m.kernel.get_value()))  # noqa: E731
+    for m in ("up", "down"):
+        np.testing.assert_array_equal(deq(getattr(seq.layers[0], m)),
+                                      deq(getattr(one.layers[0], m)))
+    # stage 1 from the inputs of the model whose stage 0 is quantized
+    mixed = nnx.clone(seq)
+    mixed.layers[1] = nnx.clone(net.layers[1])
+    st1 = collect_stats(mixed, batches, progress=False, paths=names[2:])
+    assert list(st1) == names[2:]
+    assert not np.allclose(st1[names[2]].hessian, stats[names[2]].hessian, rtol=1e-3)
+    for m, p in (("up", names[2]), ("down", names[3])):
+        w = getattr(net.layers[1], m).kernel.get_value()
+        want = np.asarray(jf.dequantize(gptq_quantize(w, st1[p].hessian, "nf4", axis=0)))
+        got = deq(getattr(seq.layers[1], m))
+        assert np.isclose(got, want, rtol=1e-5, atol=1e-6).mean() > 0.99
+        assert not np.array_equal(got, deq(getattr(one.layers[1], m)))
+
+
 def test_quantize_params_plain_tree_methods(rng):
     from jax_fp4.nn import quantize_params
 
@@ -271,15 +326,17 @@ def test_quantize_params_plain_tree_methods(rng):
             "lin": {"weight": rng.standard_normal((16, 64)).astype(np.float32)}}
     acts = {"dense.kernel": x, "lin.weight": x}
     errs = {}
-    for m in ("rtn", "mse", "gptq", "awq"):
+    for m in ("rtn", "mse", "gptq", "awq", "awq+gptq"):
         out = quantize_params(tree, "nf4", method=m, prepare=False,
-                              calibration=acts if m in ("gptq", "awq") else None)
+                              calibration=acts if m not in ("rtn", "mse") else None)
         assert isinstance(out["dense"]["kernel"], jf.QArray)
         assert out["lin"]["weight"].axis == 1
         np.testing.assert_array_equal(out["dense"]["bias"], tree["dense"]["bias"])
         d = np.asarray(jf.dequantize(out["dense"]["kernel"])) - tree["dense"]["kernel"]
         errs[m] = np.mean((x @ d) ** 2)
     assert errs["gptq"] < errs["rtn"] and errs["mse"] < errs["rtn"] and errs["awq"] < errs["rtn"]
+    # no ScaleGroup folds in a plain tree without awq_groups: awq+gptq is GPTQ
+    assert errs["awq+gptq"] == errs["gptq"]
     with pytest.raises(ValueError, match="method"):
         quantize_params(tree, "nf4", method="best")
     with pytest.raises(ValueError, match="calibration"):
@@ -288,6 +345,37 @@ def test_quantize_params_plain_tree_methods(rng):
         quantize_params(tree, "nf4", method="mse", ptq_options={"dampening": 0.1})
     with pytest.raises(TypeError, match="calibration"):
         quantize_params(tree, "nf4", method="gptq", calibration=[x])
+
+
+def test_awq_then_gptq_plain_tree(rng):
+    """awq+gptq folds AWQ's searched channel scales into the producer, then runs GPTQ on
+    the scaled weight with the scaled inputs' statistics."""
+    from jax_fp4.nn import quantize_params
+    from jax_fp4.ptq import LayerStats, ScaleGroup
+    from jax_fp4.ptq._common import QuantSpec
+    from jax_fp4.ptq.awq import search_scales
+
+    x = rng.standard_normal((512, 128)).astype(np.float32)
+    wa = (rng.standard_normal((128, 128)) * rng.uniform(0.05, 2, 128)).astype(np.float32)
+    tree = {"a": {"kernel": wa, "bias": rng.standard_normal(128).astype(np.float32)},
+            "b": {"kernel": rng.standard_normal((128, 32)).astype(np.float32)}}
+    h = x @ wa + tree["a"]["bias"]  # b's input, produced per channel by a
+    group = ScaleGroup(("b.kernel",), (("a.kernel", 1), ("a.bias", 0)))
+    out = quantize_params(tree, "int4", method="awq+gptq", filter=r"b\.kernel",
+                          prepare=False, calibration={"b.kernel": h},
+                          ptq_options={"awq_groups": [group]})
+    st = LayerStats.of(h)
+    s, alpha, _ = search_scales([tree["b"]["kernel"]], [0], st, QuantSpec.make("int4"))
+    assert alpha > 0  # the channels differ in magnitude: a real scaling
+    np.testing.assert_allclose(out["a"]["kernel"], wa / np.asarray(s)[None], rtol=1e-6)
+    want = gptq_quantize(tree["b"]["kernel"] * np.asarray(s)[:, None],
+                         st.scaled_inputs(s).hessian, "int4", axis=0)
+    got = np.asarray(jf.dequantize(out["b"]["kernel"]))
+    assert np.isclose(got, np.asarray(jf.dequantize(want)), rtol=1e-5, atol=1e-6).mean() > 0.99
+    # the float function is kept up to b's quantization error
+    y = (x @ out["a"]["kernel"] + out["a"]["bias"]) @ got
+    rtn = np.asarray(jf.dequantize(_rtn(tree["b"]["kernel"], "int4")))
+    assert np.mean((y - h @ tree["b"]["kernel"]) ** 2) < np.mean((h @ (rtn - tree["b"]["kernel"])) ** 2)
 
 
 # ----------------------------------------------------------------------------- MiniLM
