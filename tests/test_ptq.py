@@ -459,6 +459,11 @@ def test_cli_quantize_methods(tmp_path, capsys, rng):
     assert main(["quantize", str(src), str(dst), "--format", "int4", "--method", "gptq",
                  "--calibration", str(acts)]) == 0
     q_gptq = jio.load(dst)["fc.weight"]
+    # no AWQ group folds in a bare checkpoint: awq+gptq is GPTQ
+    assert main(["quantize", str(src), str(dst), "--format", "int4", "--method", "awq+gptq",
+                 "--calibration", str(acts)]) == 0
+    np.testing.assert_array_equal(np.asarray(jio.load(dst)["fc.weight"].data),
+                                  np.asarray(q_gptq.data))
     q_rtn = jf.quantize(jnp.asarray(w), "int4", axis=1)
     err = lambda q: np.mean((x @ (np.asarray(jf.dequantize(q)) - w).T) ** 2)  # noqa: E731
     assert err(q_gptq) < err(q_mse) < err(q_rtn)
