@@ -220,6 +220,11 @@ def test_gptq_bad_input():
         gptq_quantize(w, np.eye(32), "nvfp4", axis=0)
     with pytest.raises(ValueError, match="scale_search"):
         gptq_quantize(w, np.eye(64), "nvfp4", axis=0, scale_search="best")
+    from jax_fp4.ptq import quantize_group
+    from jax_fp4.ptq._common import QuantSpec
+
+    with pytest.raises(ValueError, match="method"):
+        quantize_group([w], 0, QuantSpec.make("nvfp4"), "awq+gptq")
     w[0, 0] = np.nan
     with pytest.raises(ValueError, match="finite"):
         gptq_quantize(w, np.eye(64), "nvfp4", axis=0)

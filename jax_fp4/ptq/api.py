@@ -43,9 +43,14 @@ def quantize_group(ws, axis: int, spec: QuantSpec, method: str, stats=None, *,
       damp, act_order, scale_search: GPTQ options (:mod:`jax_fp4.ptq.gptq`).
     Returns:
       list of QArrays (linear layout), each of its weight's shape and dtype.
+    Raises:
+      ValueError: another method (awq+gptq is AWQ's folding by the caller, then "gptq").
     """
     from ..ops import quantize
 
+    if method not in ("rtn", "mse", "gptq", "awq"):
+        raise ValueError(f"method: expected 'rtn', 'mse', 'gptq' or 'awq' for one group of "
+                         f"weights, got {method!r}")
     ws = [jnp.asarray(w) for w in ws]
     ws = [w.astype(jnp.float32) if w.dtype == jnp.float64 else w for w in ws]
     if method == "rtn":
