@@ -94,7 +94,8 @@ def _np_candidates(fmt, wblk, pts):
     """NumPy float64 candidate quantizers of (N, bs) blocks, RTN's first (jax_fp4.ptq.mse):
     a list of functions x (N, m) -> Q(x) with one block scale per row."""
     f = jf.get_format(fmt)
-    e2m1 = lambda x, S: np.clip(x / S, -6, 6).astype(ml_dtypes.float4_e2m1fn).astype(np.float64) * S  # noqa: E731
+    def e2m1(x, S):
+        return np.clip(x / S, -6, 6).astype(ml_dtypes.float4_e2m1fn).astype(np.float64) * S
     if fmt == "nvfp4":
         amax = np.abs(wblk).max(1)
 
@@ -104,14 +105,16 @@ def _np_candidates(fmt, wblk, pts):
         codes = [code(6.0) + d for d in (0, -3, -2, -1, 1, 2)] + [code(4.0) + d for d in (-1, 0, 1)]
         out = []
         for c in codes:
-            S = np.clip(c, 1, 126).astype(np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64) * pts
+            S = np.clip(c, 1, 126).astype(np.uint8).view(ml_dtypes.float8_e4m3fn)
+            S = S.astype(np.float64) * pts
             out.append(lambda x, S=S: e2m1(x, S[:, None]))
         return out
     if fmt == "mxfp4":
         amax = np.abs(wblk).max(1).astype(np.float32)
         e = np.frexp(amax)[1] - 1 - f.elem.emax
-        return [lambda x, d=d: e2m1(x, np.exp2(np.clip(e + d, -127, 127))[:, None].astype(np.float64))
-                for d in (0, -2, -1, 1)]
+        scales = [np.exp2(np.clip(e + d, -127, 127).astype(np.float64))[:, None]
+                  for d in (0, -2, -1, 1)]
+        return [lambda x, S=S: e2m1(x, S) for S in scales]
     if fmt == "nf4":
         t = NF4_TABLE.astype(np.float64)
         amax = np.abs(wblk).max(1)
@@ -380,7 +383,8 @@ def test_awq_then_gptq_plain_tree(rng):
     # the float function is kept up to b's quantization error
     y = (x @ out["a"]["kernel"] + out["a"]["bias"]) @ got
     rtn = np.asarray(jf.dequantize(_rtn(tree["b"]["kernel"], "int4")))
-    assert np.mean((y - h @ tree["b"]["kernel"]) ** 2) < np.mean((h @ (rtn - tree["b"]["kernel"])) ** 2)
+    wb = tree["b"]["kernel"]
+    assert np.mean((y - h @ wb) ** 2) < np.mean((h @ (rtn - wb)) ** 2)
 
 
 # ----------------------------------------------------------------------------- MiniLM
