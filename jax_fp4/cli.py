@@ -3,7 +3,7 @@
   jax-fp4 demo [--model DIR] [--formats F ...] [--limit N] [--json]
       all-MiniLM-L6-v2 quantized to every format (weight-only, plus NVFP4 / MXFP8 with
       activations), run under jax.jit on the packaged sentences; one table row per format.
-  jax-fp4 quantize IN OUT --format F [--filter REGEX] [--method rtn|mse|gptq|awq]
+  jax-fp4 quantize IN OUT --format F [--filter REGEX] [--method rtn|mse|gptq|awq|awq+gptq]
       quantize the 2-D weights of any safetensors checkpoint into a jax-fp4 checkpoint;
       GPTQ / AWQ calibrate on --calibration ACTS.safetensors (per-weight input
       activations) or, for a BERT sentence-encoder directory, --calibration-text FILE.
@@ -190,7 +190,7 @@ def _calibration(args, tensors):
         from .io import load
 
         acts = load(args.calibration)
-        return acts, ({"act_order": args.act_order} if args.method == "gptq" else None)
+        return acts, ({"act_order": args.act_order} if "gptq" in args.method else None)
     from .ptq.bert import hf_bert_calibration
 
     return hf_bert_calibration(os.path.dirname(os.path.abspath(args.input)),
@@ -282,9 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--formats", nargs="+", metavar="F",
                    help="variants: FORMAT (weight-only) or WEIGHTS:ACTIVATIONS, e.g. nvfp4 "
                    "nf4 nvfp4:nvfp4, the weights optionally with a PTQ method, nvfp4@gptq "
-                   "(mse, gptq, awq; evaluated on held-out sentences) (default: all %d "
-                   "formats weight-only, nvfp4:nvfp4, mxfp8_e4m3:mxfp8_e4m3, then every 4-bit "
-                   "format @mse, @gptq, @awq)" % len(FORMAT_NAMES))
+                   "(mse, gptq, awq, awq+gptq; evaluated on held-out sentences) (default: all "
+                   "%d formats weight-only, nvfp4:nvfp4, mxfp8_e4m3:mxfp8_e4m3, then every "
+                   "4-bit format @mse, @gptq, @awq, @awq+gptq)" % len(FORMAT_NAMES))
     d.add_argument("--act-mode", choices=("auto", "fake", "scaled"), default="auto",
                    help="activations: fake-quantized, or block-scaled matmul (auto: scaled "
                    "when weights and activations are both nvfp4 or both MX)")
@@ -312,9 +312,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="nvfp4: two-level with a per-tensor scale (auto) or one level")
     q.add_argument("--scale-rounding", choices=("floor", "rceil"), default="floor",
                    help="MX formats: scale rounding rule")
-    q.add_argument("--method", choices=("rtn", "mse", "gptq", "awq"), default="rtn",
-                   help="rounding: rtn (round to nearest), mse (MSE-optimal block scales), "
-                   "gptq or awq (need calibration data); see docs/ptq.md")
+    q.add_argument("--method", choices=("rtn", "mse", "gptq", "awq", "awq+gptq"),
+                   default="rtn", help="rounding: rtn (round to nearest), mse (MSE-optimal "
+                   "block scales), gptq, awq or awq+gptq (need calibration data); see "
+                   "docs/ptq.md")
     q.add_argument("--calibration", metavar="ACTS", default=None,
                    help="gptq/awq: a safetensors file of each weight's input activations, "
                    "keyed by the weight's name, shaped (tokens, in_features)")

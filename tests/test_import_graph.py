@@ -10,7 +10,6 @@ importing its own package's ``__init__`` is not counted (Python runs a package's
 import ast
 import pathlib
 
-import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "jax_fp4"
 
@@ -64,12 +63,6 @@ def _module_level(body):
                 yield from _module_level(part)
 
 
-# Lazy imports inside jax_fp4.ptq that close a circle within that package (its helpers
-# import the entry point that dispatches to them); jax_fp4/ptq is another branch's to
-# untangle, so these edges alone are left out of the graph until then.
-_PENDING_PTQ = {("jax_fp4.ptq.mse", "jax_fp4.ptq.api"), ("jax_fp4.ptq.gptq", "jax_fp4.ptq.api")}
-
-
 def _cycle(edges):
     """One import circle as a list of modules, or None."""
     state, stack = {}, []
@@ -106,11 +99,8 @@ def test_graph_is_read():
 
 
 def test_import_graph_is_acyclic():
-    """Imports anywhere in a file (module level or inside functions) form no circle, the
-    pending jax_fp4.ptq edges (_PENDING_PTQ) aside."""
+    """Imports anywhere in a file (module level or inside functions) form no circle."""
     edges = _edges(_modules())
-    for a, b in _PENDING_PTQ:
-        edges[a].discard(b)
     cycle = _cycle(edges)
     assert cycle is None, "import circle: " + " -> ".join(cycle)
 

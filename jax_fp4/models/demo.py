@@ -38,12 +38,12 @@ __all__ = ["DEFAULT_VARIANTS", "RTN_VARIANTS", "Variant", "parse_variant", "load
 
 #: every 4-bit weight format with the methods beyond round-to-nearest
 PTQ_VARIANTS = tuple(f"{f}@{m}" for f in ("nvfp4", "mxfp4", "nf4", "bnb_fp4", "int4")
-                     for m in ("mse", "gptq", "awq"))
+                     for m in ("mse", "gptq", "awq", "awq+gptq"))
 #: round to nearest: weight-only for every format, then NVFP4 (W4A4) and MXFP8 (W8A8) with
 #: activations
 RTN_VARIANTS = ("nvfp4", "mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8_e4m3", "mxfp8_e5m2",
                 "nf4", "bnb_fp4", "int4", "nvfp4:nvfp4", "mxfp8_e4m3:mxfp8_e4m3")
-#: the RTN rows, then the 4-bit formats by MSE / GPTQ / AWQ
+#: the RTN rows, then the 4-bit formats by MSE / GPTQ / AWQ / AWQ+GPTQ
 DEFAULT_VARIANTS = RTN_VARIANTS + PTQ_VARIANTS
 
 
@@ -76,7 +76,8 @@ class Variant:
 
 def parse_variant(spec: str, act_mode: str = "auto") -> Variant:
     """``"FMT"`` (weight-only) or ``"WFMT:AFMT"`` (weights and activations); the weight
-    format may carry a PTQ method, ``"nvfp4@gptq"`` (rtn, mse, gptq, awq).
+    format may carry a PTQ method, ``"nvfp4@gptq"`` (rtn, mse, gptq, awq,
+    awq+gptq).
 
     Raises:
       ValueError: unknown format or method, or an activation format other than nvfp4 / MX.
@@ -253,7 +254,7 @@ def run_demo(model_dir=None, variants: Iterable = DEFAULT_VARIANTS, *,
     from .minilm import load_sentence_encoder
 
     from ..nn import quantize_params
-    from ..ptq import Calibration, collect_stats
+    from ..ptq import CALIBRATED, Calibration
 
     variants = [v if isinstance(v, Variant) else parse_variant(v) for v in variants]
     sentences = load_sentences(sentences_file, limit)
@@ -291,7 +292,8 @@ def run_demo(model_dir=None, variants: Iterable = DEFAULT_VARIANTS, *,
     if bar is not None:
         bar.update(1)
     calib = calib_sentences[:min(calib_size, len(calib_sentences))]
-    ptq_calibration = None
+    ptq_calibration = (_ptq_calibration(enc, calib_sentences, bs, Calibration)
+                       if any(v.method in CALIBRATED for v in variants) else None)
     for v in variants:
         step(v.label)
         t0 = time.perf_counter()
@@ -299,13 +301,10 @@ def run_demo(model_dir=None, variants: Iterable = DEFAULT_VARIANTS, *,
             model = quantize_model(enc.model, v.weights, act_format=v.activations,
                                    act_mode=v.act_mode or "fake")
         else:
-            if ptq_calibration is None and v.method in ("gptq", "awq"):
-                c = _ptq_calibration(enc, calib_sentences, bs, Calibration)
-                # collected once, shared by every GPTQ / AWQ row
-                ptq_calibration = collect_stats(enc.model, c.batches, c.forward, c.mask,
-                                                progress=progress)
+            # quantize_params runs the calibration pass(es) itself (sequential GPTQ: one
+            # per encoder layer), so quantize_seconds is the whole cost of the method
             model = quantize_params(enc.model, v.weights, method=v.method,
-                                    calibration=ptq_calibration if v.method in ("gptq", "awq")
+                                    calibration=ptq_calibration if v.method in CALIBRATED
                                     else None, act_format=v.activations,
                                     act_mode=v.act_mode or "fake", prepare=False,
                                     ptq_options={"progress": progress})

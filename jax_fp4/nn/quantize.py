@@ -67,16 +67,20 @@ def quantize_params(tree, format: str = "nvfp4", *, filter: Filter = None, axis=
         GPU and a build for sm_90a), else not.
       method: how the weights are rounded (:mod:`jax_fp4.ptq`, docs/ptq.md): "rtn"
         (round to nearest, default), "mse" (MSE-optimal block scales), "gptq" (GPTQ
-        error feedback; needs ``calibration``) or "awq" (activation-aware channel scaling
-        where a ScaleGroup folds, plus activation-weighted MSE scales). Plain trees and
-        Flax NNX models; the stored QArrays are the same kind for every method.
-      calibration: the inputs of each dense layer, for "gptq" / "awq": a
+        error feedback; needs ``calibration``), "awq" (activation-aware channel scaling
+        where a ScaleGroup folds, plus activation-weighted MSE scales) or "awq+gptq"
+        (AWQ's channel scaling, then GPTQ). Plain trees and Flax NNX models; the stored
+        QArrays are the same kind for every method.
+      calibration: the inputs of each dense layer, for "gptq" / "awq" / "awq+gptq": a
         :class:`jax_fp4.ptq.Calibration` (batches and a forward function; NNX models), or
         ``{kernel path: activations (..., K) | jax_fp4.ptq.LayerStats}``.
       ptq_options: method options: ``damp`` (GPTQ dampening, 0.01), ``act_order``
-        (False), ``scale_search`` ("mse" or "rtn": GPTQ's block scales), ``awq_groups``
-        (a sequence of :class:`jax_fp4.ptq.ScaleGroup`; default for the MiniLM
-        BertModel: :func:`jax_fp4.ptq.bert_groups`), ``progress`` (tqdm bars, True).
+        (False), ``scale_search`` ("mse" or "rtn": GPTQ's block scales), ``sequential``
+        (True: with a Calibration, GPTQ quantizes one block of a layer stack at a time,
+        each block calibrated on the outputs of the already quantized ones),
+        ``awq_groups`` (a sequence of :class:`jax_fp4.ptq.ScaleGroup`; default for the
+        MiniLM BertModel: :func:`jax_fp4.ptq.bert_groups`), ``progress`` (tqdm bars,
+        True).
     Returns:
       a pytree of the same structure with QArray leaves (or a new module).
     Raises:

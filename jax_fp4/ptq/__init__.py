@@ -11,12 +11,12 @@ quantizer's for the chosen scales), so kernels and checkpoints work unchanged. T
 entry point is ``jax_fp4.nn.quantize_params(..., method=..., calibration=...)``; see
 docs/ptq.md.
 """
-from .api import METHODS, quantize_group
+from .api import CALIBRATED, METHODS
 from .awq import ALPHA_GRID, ScaleGroup, bert_groups
 from .calibration import Calibration, LayerStats, collect_stats, stats_from_activations
-from .gptq import gptq_quantize, inverse_hessian_factor
-from .mse import quantize_mse
+from .gptq import inverse_hessian_factor
+from .group import gptq_quantize, quantize_group, quantize_mse
 
-__all__ = ["METHODS", "quantize_group", "quantize_mse", "gptq_quantize",
+__all__ = ["METHODS", "CALIBRATED", "quantize_group", "quantize_mse", "gptq_quantize",
            "inverse_hessian_factor", "Calibration", "LayerStats", "collect_stats",
            "stats_from_activations", "ScaleGroup", "bert_groups", "ALPHA_GRID"]

@@ -2,6 +2,7 @@
 statistics, folds AWQ scales and quantizes each selected kernel with its method."""
 from __future__ import annotations
 
+import dataclasses
 import sys
 import warnings
 from typing import Dict
@@ -14,92 +15,15 @@ from ..qarray import QArray
 from ._common import QuantSpec
 from .awq import apply_scales, bert_groups, search_scales
 from .calibration import Calibration, LayerStats, collect_stats, stats_from_activations
-from .. import reference as R
-from ._common import make_qarray, to_rows
-from .gptq import SCALE_SEARCHES, gptq_rows
-from .mse import mse_block_scales
+from .group import quantize_group
 
-__all__ = ["METHODS", "quantize_group", "quantize_params_ptq"]
+__all__ = ["METHODS", "CALIBRATED", "quantize_params_ptq"]
 
 #: post-training quantization methods of quantize_params
-METHODS = ("rtn", "mse", "gptq", "awq")
-_OPTIONS = ("damp", "act_order", "scale_search", "awq_groups", "progress")
-
-
-def quantize_group(ws, axis: int, spec: QuantSpec, method: str, stats=None, *,
-                   damp: float = 0.01, act_order: bool = False,
-                   scale_search: str = "mse") -> list:
-    """Quantize weights of one shape with ``method``, all in one jitted, vmapped call.
-
-    Args:
-      ws: list of 2-D float weights of one shape; axis: their contraction axis.
-      spec: the format. method: "rtn", "mse" (MSE block scales), "gptq", or "awq" (MSE
-        block scales with each input channel's error weighted by its mean square, diag H:
-        AWQ's activation-aware clipping; the channel scaling itself is done by the caller).
-      stats: list of :class:`LayerStats` (one per weight) for "gptq" / "awq".
-      damp, act_order, scale_search: GPTQ options (:mod:`jax_fp4.ptq.gptq`).
-    Returns:
-      list of QArrays (linear layout), each of its weight's shape and dtype.
-    """
-    from ..ops import quantize
-
-    ws = [jnp.asarray(w) for w in ws]
-    ws = [w.astype(jnp.float32) if w.dtype == jnp.float64 else w for w in ws]
-    if method == "rtn":
-        kw = {"tensor_scale": spec.tensor_scale} if spec.format.family == "nvfp4" else {}
-        if spec.rceil:
-            kw["scale_rounding"] = "rceil"
-        if spec.scale_dtype is not None:
-            kw["scale_dtype"] = spec.scale_dtype
-        return [quantize(w, spec.name, axis=axis, block_size=spec.block_size, **kw)
-                for w in ws]
-    if method in ("gptq", "awq") and stats is None:
-        if method == "gptq":
-            raise ValueError("calibration: GPTQ needs the input statistics of every "
-                             "quantized layer")
-        method = "mse"
-    if scale_search not in SCALE_SEARCHES:
-        raise ValueError(f"scale_search: expected one of {SCALE_SEARCHES}, got "
-                         f"{scale_search!r}")
-    shape, dtype = tuple(ws[0].shape), np.dtype(ws[0].dtype)
-    rows = jnp.stack([to_rows(w, axis) for w in ws])
-    k = rows.shape[-1]
-    spec.format.check_block_size(spec.block_size, k)
-    hess = None
-    if method in ("gptq", "awq"):
-        for st in stats:
-            if st.hessian.shape != (k, k):
-                raise ValueError(f"calibration: Hessian of shape {tuple(st.hessian.shape)} "
-                                 f"for a weight whose contraction axis has length {k}")
-        hess = jnp.stack([jnp.asarray(st.hessian, jnp.float32) for st in stats])
-    if method == "gptq" and not (np.isfinite(np.asarray(rows)).all()
-                                 and np.isfinite(np.asarray(hess)).all()):
-        raise ValueError("w, hessian: GPTQ needs finite weights and a finite Hessian")
-    codes, sc, zs, ts = _buffers(rows, hess, spec=spec, method=method, damp=float(damp),
-                                 act_order=bool(act_order), scale_search=scale_search,
-                                 sd=spec.scale_dtype_for(dtype))
-    return [make_qarray(codes[i], sc[i], zs[i], None if ts is None else ts[i], spec, shape,
-                        axis, dtype) for i in range(len(ws))]
-
-
-@jax.jit(static_argnames=("spec", "method", "damp", "act_order", "scale_search", "sd"))
-def _buffers(rows, hess, *, spec, method, damp, act_order, scale_search, sd):
-    """(L, N, K) weights [and (L, K, K) Hessians] -> stacked FFI buffers and row scales."""
-    def one(w, h):
-        row_ts = spec.row_tensor_scale(w)
-        if method == "gptq":
-            wq, scales, zeros = gptq_rows(w, h, spec, damp=damp, act_order=act_order,
-                                          scale_search=scale_search, row_ts=row_ts,
-                                          scale_dtype=sd)
-        else:
-            weight = None if h is None else jnp.diag(h)
-            scales, zeros = mse_block_scales(w, spec, row_ts, weight, sd)
-            wq = w
-        codes, sc, zs = R.quantize_2d_with_scales(wq, spec.format, spec.block_size, scales,
-                                                  zeros, tensor_scale=row_ts)
-        return codes, sc, zs, row_ts
-
-    return jax.vmap(one)(rows, hess)
+METHODS = ("rtn", "mse", "gptq", "awq", "awq+gptq")
+#: the methods that need calibration statistics
+CALIBRATED = ("gptq", "awq", "awq+gptq")
+_OPTIONS = ("damp", "act_order", "scale_search", "awq_groups", "sequential", "progress")
 
 
 def _check_options(method, options):
@@ -133,50 +57,72 @@ def _stats_of(calibration, model=None, progress=True) -> Dict[str, LayerStats]:
 def _ptq_flat(flat, selected, spec, method, stats, options, progress=True):
     """Quantize the ``selected`` {path: axis} entries of ``flat`` {path: array}; returns
     the new dict (AWQ also rescales the groups' producers)."""
+    _check_stats(selected, method, stats)
+    flat, stats = _fold_awq(flat, selected, spec, method, stats, options)
+    return _quantize_flat(flat, selected, spec, method, stats, options, progress)
+
+
+def _check_stats(selected, method, stats):
+    missing = [p for p in selected if p not in stats]
+    if missing and method in ("gptq", "awq+gptq"):
+        raise ValueError(f"calibration: no input statistics for {missing[:3]} "
+                         f"({len(missing)} kernel(s)); GPTQ needs every quantized layer's")
+
+
+def _fold_awq(flat, selected, spec, method, stats, options):
+    """AWQ ("awq", "awq+gptq"): search each group's channel scales and fold them; returns
+    (flat, stats) with the kernels, producers and the kernels' input statistics scaled."""
     stats = dict(stats)
-    if method in ("gptq", "awq"):
-        missing = [p for p in selected if p not in stats]
-        if missing and method == "gptq":
-            raise ValueError(f"calibration: no input statistics for {missing[:3]} "
-                             f"({len(missing)} kernel(s)); GPTQ needs every quantized layer's")
-    if method == "awq":
-        axes = dict(selected)
-        for g in options.get("awq_groups") or ():
-            if not all(p in selected and p in stats for p in g.kernels):
-                continue
-            if not all(p in flat for p, _ in g.producers):
-                raise ValueError(f"awq_groups: producer paths {[p for p, _ in g.producers]} "
-                                 "not all in the tree")
-            s, _, _ = search_scales([flat[p] for p in g.kernels], [axes[p] for p in g.kernels],
-                                    stats[g.kernels[0]], spec)
-            flat = apply_scales(flat, g, s, axes)
-            for p in g.kernels:
-                stats[p] = stats[p].scaled_inputs(s)
+    if method not in ("awq", "awq+gptq"):
+        return flat, stats
+    axes = dict(selected)
+    for g in options.get("awq_groups") or ():
+        if not all(p in selected and p in stats for p in g.kernels):
+            continue
+        if not all(p in flat for p, _ in g.producers):
+            raise ValueError(f"awq_groups: producer paths {[p for p, _ in g.producers]} "
+                             "not all in the tree")
+        s, _, _ = search_scales([flat[p] for p in g.kernels], [axes[p] for p in g.kernels],
+                                stats[g.kernels[0]], spec)
+        flat = apply_scales(flat, g, s, axes)
+        for p in g.kernels:
+            stats[p] = stats[p].scaled_inputs(s)
+    return flat, stats
+
+
+def _quantize_flat(flat, selected, spec, method, stats, options, progress, bar=None):
+    """Quantize the ``selected`` entries of ``flat`` (AWQ already folded): one jitted call
+    per (shape, axis, dtype); returns the new dict."""
     groups: dict = {}
     for p, ax in selected.items():
         groups.setdefault((tuple(np.shape(flat[p])), ax, jnp.dtype(flat[p].dtype)), []).append(p)
-    bar = None
-    if progress:
-        try:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=len(selected), desc=f"quantize ({method})", unit="layer",
-                       file=sys.stderr, leave=False)
-        except ImportError:
-            bar = None
+    own_bar = bar is None and progress
+    if own_bar:
+        bar = _bar(len(selected), method)
     out = dict(flat)
     for (_, ax, _), paths in groups.items():
         st = [stats[p] for p in paths] if all(p in stats for p in paths) else None
-        qs = quantize_group([flat[p] for p in paths], ax, spec, method, st,
+        # awq+gptq: GPTQ of the AWQ-scaled weights with the scaled inputs' statistics
+        qs = quantize_group([flat[p] for p in paths], ax, spec,
+                            "gptq" if method == "awq+gptq" else method, st,
                             damp=options.get("damp", 0.01),
                             act_order=options.get("act_order", False),
                             scale_search=options.get("scale_search", "mse"))
         out.update(zip(paths, qs))
         if bar is not None:
             bar.update(len(paths))
-    if bar is not None:
+    if own_bar and bar is not None:
         bar.close()
     return out
+
+
+def _bar(total, method):
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc=f"quantize ({method})", unit="layer", file=sys.stderr,
+                leave=False)
 
 
 def quantize_params_ptq(tree, format, *, method, calibration, options, filter, axis,
@@ -216,7 +162,7 @@ def quantize_params_ptq(tree, format, *, method, calibration, options, filter, a
         if P._fits_block(p, f"contraction axis {ax} has length", leaf.shape[ax], spec.format,
                          spec.block_size, strict, skipped):
             selected[p] = ax
-    stats = _stats_of(calibration) if method in ("gptq", "awq") else {}
+    stats = _stats_of(calibration) if method in CALIBRATED else {}
     new = _ptq_flat(flat, selected, spec, method, stats, options,
                     options.get("progress", progress))
     if skipped:
@@ -235,10 +181,15 @@ def _ptq_nnx(model, spec, method, calibration, options, filter, strict, act_form
     from ..nn.flax import QuantizedLinear, _set_module
 
     P.check_act_options(spec.name, act_format, act_mode, spec.block_size)
-    if method == "awq" and "awq_groups" not in options and isinstance(model, BertModel):
+    if (method in ("awq", "awq+gptq") and "awq_groups" not in options
+            and isinstance(model, BertModel)):
         options["awq_groups"] = bert_groups(model.config.num_hidden_layers, "flax")
     pred = P._make_filter(filter)
-    stats = _stats_of(calibration, model, progress) if method in ("gptq", "awq") else {}
+    sequential = (options.get("sequential", True) and method in ("gptq", "awq+gptq")
+                  and isinstance(calibration, Calibration))
+    if sequential:  # several passes over the batches
+        calibration = dataclasses.replace(calibration, batches=list(calibration.batches))
+    stats = _stats_of(calibration, model, progress) if method in CALIBRATED else {}
     model = nnx.clone(model)
     linears, selected, skipped = {}, {}, []
     for path, m in nnx.iter_modules(model):
@@ -254,20 +205,49 @@ def _ptq_nnx(model, spec, method, calibration, options, filter, strict, act_form
             selected[kp] = 0
     state = nnx.state(model, nnx.Param)
     flat = {P.path_str(p): x for p, x in jax.tree_util.tree_leaves_with_path(state)}
-    new = _ptq_flat(flat, selected, spec, method, stats, options, progress)
-    # float parameters AWQ rescaled (the producers), then the quantized layers
-    nnx.update(model, jax.tree_util.tree_map_with_path(
-        lambda path, x: x if P.path_str(path) in selected else new[P.path_str(path)], state))
-    for kp, (path, m, name) in linears.items():
-        bias = m.bias.get_value() if m.bias is not None else None
-        q = QuantizedLinear(m.in_features, m.out_features, use_bias=bias is not None,
-                            dtype=m.dtype, param_dtype=m.param_dtype, precision=m.precision,
-                            preferred_element_type=getattr(m, "preferred_element_type", None),
-                            kernel=new[kp], bias=bias, format=spec.name,
-                            block_size=spec.block_size, act_format=act_format,
-                            act_mode=act_mode, name=name)
-        _set_module(model, path, q)
+    _check_stats(selected, method, stats)
+    flat, stats = _fold_awq(flat, selected, spec, method, stats, options)
+    # the float model with AWQ's scales folded: the same function
+    nnx.update(model, jax.tree_util.tree_map_with_path(lambda p, x: flat[P.path_str(p)],
+                                                       state))
+    if sequential:
+        stages = _stages([p for p in stats if p in selected])
+    else:
+        stages = [list(selected)]
+    bar = _bar(len(selected), method) if progress else None
+    for i, stage in enumerate(stages):
+        if i:  # the inputs of this stage as the already quantized stages produce them
+            stats.update(collect_stats(model, calibration.batches, calibration.forward,
+                                       calibration.mask, progress=False, paths=stage))
+        new = _quantize_flat(flat, {p: 0 for p in stage}, spec, method, stats, options,
+                             progress, bar)
+        for kp in stage:
+            path, m, name = linears[kp]
+            bias = m.bias.get_value() if m.bias is not None else None
+            q = QuantizedLinear(m.in_features, m.out_features, use_bias=bias is not None,
+                                dtype=m.dtype, param_dtype=m.param_dtype,
+                                precision=m.precision,
+                                preferred_element_type=getattr(m, "preferred_element_type",
+                                                               None),
+                                kernel=new[kp], bias=bias, format=spec.name,
+                                block_size=spec.block_size, act_format=act_format,
+                                act_mode=act_mode, name=name)
+            _set_module(model, path, q)
+    if bar is not None:
+        bar.close()
     if skipped:
         warnings.warn(f"quantize_params: left {len(skipped)} layer(s) unquantized: "
                       + ", ".join(skipped), stacklevel=3)
     return model
+
+
+def _stages(paths):
+    """Sequential GPTQ's stages: the kernel paths (in the forward pass's call order) grouped
+    by their prefix up to the first list index ("layers.3"; a path without one is its own
+    stage), so each block of a layer stack is one stage, in call order."""
+    stages: dict = {}
+    for p in paths:
+        parts = p.split(".")
+        i = next((j for j, x in enumerate(parts) if x.isdigit()), None)
+        stages.setdefault(p if i is None else ".".join(parts[:i + 1]), []).append(p)
+    return list(stages.values())

@@ -38,7 +38,7 @@ def hf_bert_calibration(model_dir, text, method: str, act_order: bool = False,
       model_dir: Hugging Face directory with config.json, model.safetensors, tokenizer.json.
       text: a file with one sentence per line, or "default" (the calibration half of the
         packaged demo sentences, :func:`jax_fp4.models.demo.split_sentences`).
-      method: "gptq" or "awq"; act_order: GPTQ option.
+      method: "gptq", "awq" or "awq+gptq"; act_order: GPTQ option.
       tensor_names: the checkpoint's tensor names (to find a "bert." style prefix).
     Returns:
       ({HF weight name: LayerStats}, ptq_options) for :func:`jax_fp4.nn.quantize_params`.
@@ -61,5 +61,9 @@ def hf_bert_calibration(model_dir, text, method: str, act_order: bool = False,
     groups = tuple(ScaleGroup(tuple(prefix + p for p in g.kernels),
                               tuple((prefix + p, a) for p, a in g.producers))
                    for g in bert_groups(enc.model.config.num_hidden_layers, "hf"))
-    options = {"act_order": act_order} if method == "gptq" else {"awq_groups": groups}
+    options = {}
+    if "gptq" in method:
+        options["act_order"] = act_order
+    if "awq" in method:
+        options["awq_groups"] = groups
     return calib, options

@@ -110,7 +110,8 @@ _MASK = []  # the current batch's token weights while a recording forward is tra
 
 
 def collect_stats(model, batches: Iterable, forward: Optional[Callable] = None,
-                  mask: Optional[Callable] = None, *, progress: bool = True) -> dict:
+                  mask: Optional[Callable] = None, *, progress: bool = True,
+                  paths: Optional[Iterable[str]] = None) -> dict:
     """Input statistics of every ``nnx.Linear`` of an NNX model over calibration batches.
 
     The model is cloned and each ``nnx.Linear`` of the clone wrapped by a recorder that
@@ -123,8 +124,10 @@ def collect_stats(model, batches: Iterable, forward: Optional[Callable] = None,
       forward: ``(model, batch) -> anything``; default ``model(batch)``.
       mask: ``batch -> weights`` of the tokens (see the module docstring), or None.
       progress: tqdm progress bar on stderr (if tqdm is installed).
+      paths: record only these ``"<module path>.kernel"`` (default: every Linear).
     Returns:
-      {f"{path}.kernel": LayerStats} for every Linear that saw input.
+      {f"{path}.kernel": LayerStats} for every recorded Linear that saw input, in the
+      order the forward pass first calls them.
     Raises:
       ValueError: no batch, or no Linear layer in the model.
     """
@@ -134,31 +137,29 @@ def collect_stats(model, batches: Iterable, forward: Optional[Callable] = None,
         pass
 
     class Recorder(nnx.Module):
-        def __init__(self, inner, k):
-            self.inner = inner
+        def __init__(self, inner, k, key):
+            self.inner, self.key = inner, key
             z = LayerStats.zeros(k)
             self.h, self.a, self.n = Stat(z.hessian), Stat(z.abs_sum), Stat(z.count)
 
         def __call__(self, x, *args, **kwargs):
+            order.setdefault(self.key, len(order))  # at trace time: the call order
             st = LayerStats.of(x, _MASK[-1] if _MASK and _MASK[-1] is not None else None)
             self.h.set_value(self.h.get_value() + st.hessian)
             self.a.set_value(self.a.get_value() + st.abs_sum)
             self.n.set_value(self.n.get_value() + st.count)
             return self.inner(x, *args, **kwargs)
 
+    from ..nn.flax import _set_module
+
     model = nnx.clone(model)
-    rec = {}
+    rec, order = {}, {}
+    wanted = None if paths is None else set(paths)
     for path, m in list(nnx.iter_modules(model)):
-        if type(m) is nnx.Linear and path:
-            parent = model
-            for p in path[:-1]:
-                parent = parent[p] if isinstance(p, int) else getattr(parent, p)
-            r = Recorder(m, m.in_features)
-            if isinstance(path[-1], int):
-                parent[path[-1]] = r
-            else:
-                setattr(parent, path[-1], r)
-            rec[".".join(map(str, path)) + ".kernel"] = r
+        key = ".".join(map(str, path)) + ".kernel"
+        if type(m) is nnx.Linear and path and (wanted is None or key in wanted):
+            rec[key] = Recorder(m, m.in_features, key)
+            _set_module(model, path, rec[key])
     if not rec:
         raise ValueError("model: no flax.nnx.Linear layer to calibrate")
     fwd = forward or (lambda m, b: m(b))
@@ -186,5 +187,6 @@ def collect_stats(model, batches: Iterable, forward: Optional[Callable] = None,
         n += 1
     if n == 0:
         raise ValueError("batches: empty; calibration needs at least one batch")
-    return {k: LayerStats(r.h.get_value(), r.a.get_value(), r.n.get_value())
-            for k, r in rec.items() if float(r.n.get_value()) > 0}
+    keys = sorted(rec, key=lambda k: order.get(k, len(order)))
+    return {k: LayerStats(rec[k].h.get_value(), rec[k].a.get_value(), rec[k].n.get_value())
+            for k in keys if float(rec[k].n.get_value()) > 0}

@@ -32,18 +32,15 @@ their weights.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from .. import reference as R
-from ._common import QuantSpec, fast_qdq, to_rows
+from ._common import QuantSpec, fast_qdq
 from .mse import _argmin_candidates, candidate_scales
 
-__all__ = ["gptq_quantize", "gptq_rows", "inverse_hessian_factor", "SCALE_SEARCHES"]
+__all__ = ["gptq_rows", "inverse_hessian_factor", "SCALE_SEARCHES"]
 
 SCALE_SEARCHES = ("rtn", "mse")
 LAZY_BATCH = 128
@@ -184,51 +181,3 @@ def gptq_rows(w_rows, h, spec: QuantSpec, *, damp=0.01, act_order=False, scale_s
                                  jnp.arange(nbatch))
     wq = wq[:, jnp.argsort(perm)]
     return wq, sc, (z if spec.format.family == "int4" else None)
-
-
-def gptq_quantize(w, hessian, format="nvfp4", *, axis: int = 0,
-                  block_size: Optional[int] = None, tensor_scale="auto",
-                  scale_rounding: str = "floor", scale_dtype=None, damp: float = 0.01,
-                  act_order: bool = False, scale_search: str = "mse"):
-    """Quantize one linear layer's weight with GPTQ (module docstring).
-
-    Args:
-      w: 2-D float32 / bfloat16 / float16 weight: (in, out) Flax kernel (``axis=0``) or
-        (out, in) PyTorch weight (``axis=1``); ``axis`` is the contraction axis.
-      hessian: (K, K) float, K = w.shape[axis]: sum over calibration tokens of x x^T
-        (:class:`jax_fp4.ptq.LayerStats` ``.hessian``); any positive multiple gives the
-        same result.
-      format, block_size, tensor_scale, scale_rounding, scale_dtype: as
-        :func:`jax_fp4.quantize`. NVFP4 "auto" two-level: the per-tensor scale is
-        amax(w)/2688 of the original weight.
-      damp: dampening, a fraction of the mean diagonal of H added to it (default 0.01).
-      act_order: quantize columns by decreasing diag(H), scales fixed up front.
-      scale_search: "mse" (default) or "rtn", how each block scale is chosen.
-    Returns:
-      QArray of w's shape and dtype (linear layout).
-    Raises:
-      ValueError: bad shapes, options or non-finite weights / Hessian; TypeError: non-float w.
-    """
-    spec = QuantSpec.make(format, block_size, tensor_scale, scale_rounding, scale_dtype)
-    w = jnp.asarray(w)
-    if not jnp.issubdtype(w.dtype, jnp.floating):
-        raise TypeError(f"w: expected a float array, got {w.dtype}")
-    rows = to_rows(w, axis)
-    n, k = rows.shape
-    spec.format.check_block_size(spec.block_size, k)
-    hessian = jnp.asarray(hessian, jnp.float32)
-    if hessian.shape != (k, k):
-        raise ValueError(f"hessian: expected shape {(k, k)} (the contraction axis {axis} of "
-                         f"w has length {k}), got {tuple(hessian.shape)}")
-    if scale_search not in SCALE_SEARCHES:
-        raise ValueError(f"scale_search: expected one of {SCALE_SEARCHES}, got "
-                         f"{scale_search!r}")
-    if not (np.isfinite(np.asarray(rows)).all() and np.isfinite(np.asarray(hessian)).all()):
-        raise ValueError("w, hessian: GPTQ needs finite weights and a finite Hessian")
-    from .api import quantize_group
-
-    from .calibration import LayerStats
-
-    st = LayerStats(hessian, jnp.zeros((k,), jnp.float32), jnp.ones((), jnp.float32))
-    return quantize_group([w], axis % 2, spec, "gptq", [st], damp=float(damp),
-                          act_order=bool(act_order), scale_search=scale_search)[0]

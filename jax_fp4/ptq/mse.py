@@ -15,8 +15,6 @@ The stored QArray has the usual layout, so every kernel and checkpoint path read
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -25,7 +23,7 @@ from .. import reference as R
 from ..formats import E4M3
 from ._common import QuantSpec, fast_qdq
 
-__all__ = ["candidate_scales", "mse_block_scales", "quantize_mse", "SHRINK_GRID"]
+__all__ = ["candidate_scales", "mse_block_scales", "SHRINK_GRID"]
 
 #: multipliers of the block range tried for nf4, bnb_fp4 and int4
 SHRINK_GRID = tuple(float(c) for c in np.round(np.linspace(1.0, 0.6, 9), 4))
@@ -132,36 +130,3 @@ def mse_block_scales(w_rows, spec: QuantSpec, row_ts=None, weight=None, scale_dt
     sd = scale_dtype if scale_dtype is not None else jnp.float32
     scales, zeros = candidate_scales(xb, spec, row_ts, sd)
     return _argmin_candidates(xb, spec, scales, zeros, row_ts, wb)
-
-
-def quantize_mse(w, format="nvfp4", *, axis: int = 0, block_size: Optional[int] = None,
-                 tensor_scale="auto", scale_rounding: str = "floor", scale_dtype=None,
-                 weight=None):
-    """Quantize a 2-D weight with MSE-optimal block scales (module docstring).
-
-    Args:
-      w: 2-D float32 / bfloat16 / float16 weight, blocked along ``axis`` (0: Flax (in,
-        out) kernel; 1: PyTorch (out, in) weight).
-      format, block_size, tensor_scale, scale_rounding, scale_dtype: as
-        :func:`jax_fp4.quantize` (tensor_scale "auto" is two-level NVFP4).
-      weight: optional (K,) per-input-channel error weight (see :func:`mse_block_scales`).
-    Returns:
-      a QArray of w's shape and dtype, linear scale layout; its error is never above
-      RTN's (RTN is a candidate), weighted as asked.
-    Raises:
-      ValueError / TypeError: as :func:`jax_fp4.quantize`.
-    """
-    spec = QuantSpec.make(format, block_size, tensor_scale, scale_rounding, scale_dtype)
-    return _quantize_mse(jnp.asarray(w), spec, axis % 2, weight)
-
-
-def _quantize_mse(w, spec, axis, weight=None):
-    from .api import quantize_group
-    from .calibration import LayerStats
-
-    st = None
-    if weight is not None:
-        k = jnp.asarray(weight).shape[0]
-        st = [LayerStats(jnp.diag(jnp.asarray(weight, jnp.float32)),
-                         jnp.zeros((k,), jnp.float32), jnp.ones((), jnp.float32))]
-    return quantize_group([w], axis, spec, "awq" if st else "mse", st)[0]
