@@ -15,6 +15,7 @@ from typing import Any
 import jax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
+from .layout import untile_weight
 from .qarray import QArray
 
 __all__ = ["qarray_partition_specs", "shard_qarray", "named_shardings", "quantized_specs",
@@ -97,7 +98,18 @@ def named_shardings(mesh, specs):
 
 def shard_qarray(q: QArray, mesh, spec) -> QArray:
     """``q`` placed on ``mesh`` as its float array would be with ``spec``: ``jax.device_put``
-    of each leaf with :func:`qarray_partition_specs` (spec, q). Raises as that function."""
+    of each leaf with :func:`qarray_partition_specs` (spec, q).
+
+    A prepared (``"tiled"``) weight whose blocked axis ``spec`` shards (a row-parallel
+    layer) is placed in the linear layout (:func:`jax_fp4.unprepare`; the same values):
+    the prepared layout interleaves K within 128-row tiles, so its K cannot be split, and
+    a K-replicated weight would make every device gather the layer's input instead of
+    summing partial products. Raises as :func:`qarray_partition_specs`."""
+    if q.scale_layout == "tiled" and _entries(spec, q.ndim)[q.axis] is not None:
+        data, scales, zeros = untile_weight(q.data, q.scales, q.zeros, q.block_size)
+        q = QArray(data, scales, q.tensor_scale, zeros, format=q.format, axis=q._axis,
+                   shape=q._shape, dtype=q.dtype, block_size=q.block_size,
+                   scale_layout="linear")
     return jax.device_put(q, named_shardings(mesh, qarray_partition_specs(spec, q)))
 
 

@@ -20,7 +20,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 import jax_fp4 as jf
 import jax_fp4.nn  # noqa: F401  (jf.nn.quantize_params)
 from jax_fp4.sharding import (fsdp_specs, gather_weights, named_shardings,
-                              qarray_partition_specs, quantized_specs, tensor_parallel_specs)
+                              qarray_partition_specs, quantized_specs, shard_qarray,
+                              tensor_parallel_specs)
 
 _CPUS = jax.devices("cpu")
 if len(_CPUS) < 8:
@@ -254,6 +255,26 @@ def test_prepared_weight_shards_whole_128_row_tiles():
     args = (put(x, P()), put(q, qarray_partition_specs(P(None, "data"), q)))
     _expect(collectives(f, *args), None)
     _close(f(*args), f(*on_cpu((x, q))))
+
+
+@pytest.mark.parametrize("fmt,block_size", [("nvfp4", None), ("int4", 64)])
+def test_prepared_row_parallel_weight_is_placed_linear_and_psums(fmt, block_size):
+    """shard_qarray of a prepared weight split on K (row parallel) stores it in the linear
+    layout, so each device multiplies its K block and one all-reduce sums them; kept
+    tiled (K replicated), every device would gather the layer's input instead."""
+    x, w = _x((16, 512), 1), _x((512, 256), 2)
+    q = jf.prepare(jf.quantize(w, fmt, axis=0, block_size=block_size))
+    assert q.scale_layout == "tiled"
+    qs = shard_qarray(q, MESH_1D, P("model", None))
+    assert qs.scale_layout == "linear"
+    assert qs.data.sharding.is_equivalent_to(NamedSharding(MESH_1D, P(None, "model")), 2)
+    f = jax.jit(lambda x, q: jf.matmul(x, q))
+    args = (put(x, P(None, "model"), MESH_1D), qs)
+    _expect(collectives(f, *args), "f32[16,256]{1,0}")
+    np.testing.assert_array_equal(np.asarray(jf.dequantize(qs)), np.asarray(jf.dequantize(q)))
+    _close(f(*args), f(*on_cpu((x, q))))
+    # column parallel keeps the prepared layout (N at whole 128-row tiles)
+    assert shard_qarray(q, MESH, P(None, "data")).scale_layout == "tiled"
 
 
 # (mesh, a (M, K) spec, b (N, K) spec, per-device output all-reduce or None)
