@@ -10,8 +10,8 @@ each case before it runs.)
 
 (the platform allocator gives every buffer its own cudaMalloc, so out-of-bounds accesses
 are not hidden inside XLA's memory pool; set it for racecheck too: without it racecheck
-of compute-sanitizer 2025.3.1 segfaulted at start under jax 0.11.2, benchmarks/RESULTS.md
-round 8 E).
+of compute-sanitizer 2025.3.1 segfaulted at start under jax 0.11.2; benchmarks/RESULTS.md
+has the run).
 """
 import dataclasses
 import sys

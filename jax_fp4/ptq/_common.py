@@ -43,11 +43,11 @@ class QuantSpec:
                              f"{scale_rounding!r}")
         bs = f.default_block if block_size is None else int(block_size)
         f.check_block_size(bs)
-        ts = tensor_scale if f.family == "nvfp4" else None
+        ts = tensor_scale if f.has_tensor_scale else None
         if ts is not None and not isinstance(ts, str):
             ts = float(ts)  # hashable: the spec is a static argument of jitted functions
         sd = None if scale_dtype is None else np.dtype(scale_dtype).name
-        return cls(f.name, bs, ts, scale_rounding == "rceil" and f.family == "mx", sd)
+        return cls(f.name, bs, ts, scale_rounding == "rceil" and f.has_scale_rounding, sd)
 
     @property
     def format(self) -> Format:
@@ -86,10 +86,10 @@ def make_qarray(codes, scales, zeros, row_ts, spec: QuantSpec, shape, axis, dtyp
     data = codes
     if f.bits == 8:
         data = lax.bitcast_convert_type(data, f.elem.np_dtype)
-    if f.family in ("nvfp4", "mx"):
+    if f.minifloat_scales:
         scales = lax.bitcast_convert_type(scales, f.scale_dtype)
     ts = None if row_ts is None else row_ts[0]
-    return QArray(data, scales, ts, zeros if f.family == "int4" else None, format=f.name,
+    return QArray(data, scales, ts, zeros if f.has_zeros else None, format=f.name,
                   axis=axis % 2, shape=tuple(shape), dtype=np.dtype(dtype),
                   block_size=spec.block_size, scale_layout="linear")
 

@@ -180,4 +180,4 @@ def gptq_rows(w_rows, h, spec: QuantSpec, *, damp=0.01, act_order=False, scale_s
     (w, wq, sc, z), _ = lax.scan(batch_step, (w, jnp.zeros((n, k), jnp.float32), sc0, z0),
                                  jnp.arange(nbatch))
     wq = wq[:, jnp.argsort(perm)]
-    return wq, sc, (z if spec.format.family == "int4" else None)
+    return wq, sc, (z if spec.format.has_zeros else None)

@@ -45,7 +45,7 @@ def quantize_group(ws, axis: int, spec: QuantSpec, method: str, stats=None, *,
     ws = [jnp.asarray(w) for w in ws]
     ws = [w.astype(jnp.float32) if w.dtype == jnp.float64 else w for w in ws]
     if method == "rtn":
-        kw = {"tensor_scale": spec.tensor_scale} if spec.format.family == "nvfp4" else {}
+        kw = {"tensor_scale": spec.tensor_scale} if spec.format.has_tensor_scale else {}
         if spec.rceil:
             kw["scale_rounding"] = "rceil"
         if spec.scale_dtype is not None:

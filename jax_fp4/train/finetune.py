@@ -97,6 +97,7 @@ def finetune(format: str = "nvfp4", *, rank: int = 8, alpha: float = 16.0,
     from flax import nnx
 
     from ..models import minilm
+    from ..formats import get_format
     from ..models.demo import compare_embeddings, load_sentences
     from ..nn import quantize_params
     from ..nn.flax_train import add_lora, lora_param_count
@@ -105,7 +106,7 @@ def finetune(format: str = "nvfp4", *, rank: int = 8, alpha: float = 16.0,
     train, held = split_sentences(sentences, eval_fraction, seed)
     enc = encoder or minilm.load_sentence_encoder(model_dir)
     teacher = enc.model
-    kw = {"tensor_scale": "auto"} if format == "nvfp4" else {}
+    kw = {"tensor_scale": "auto"} if get_format(format).has_tensor_scale else {}
     base = quantize_params(teacher, format, prepare=False, **kw)
     student = add_lora(base, rank, alpha, dropout, rngs=nnx.Rngs(params=seed, dropout=seed + 1))
     n_lora, n_all = lora_param_count(student)
