@@ -34,9 +34,10 @@ multi-device step is the mean over its devices.
 from __future__ import annotations
 
 import argparse
-import json
 import dataclasses
 import datetime
+import json
+import math
 import os
 import re
 import statistics
@@ -363,12 +364,14 @@ def table(cfg, rows):
             cells = []
             for f in fmts:
                 r = by[(lay, f, m)]
+                # without a kernel sum (--no-kernel-sum, CPU) its place reads "-"
                 if f == "bf16":
-                    cells.append(f"{r['wall'] * 1e3:.3f} ms ({r['ksum'] * 1e3:.3f}; "
+                    k = "-" if math.isnan(r["ksum"]) else f"{r['ksum'] * 1e3:.3f}"
+                    cells.append(f"{r['wall'] * 1e3:.3f} ms ({k}; "
                                  f"{r['piped'] * 1e3:.3f}), {r['tps']:.0f} tok/s")
                 else:
-                    cells.append(f"**{r['ratio']:.2f}x** ({r['kratio']:.2f}x; "
-                                 f"{r['pratio']:.2f}x)")
+                    k = "-" if math.isnan(r["kratio"]) else f"{r['kratio']:.2f}x"
+                    cells.append(f"**{r['ratio']:.2f}x** ({k}; {r['pratio']:.2f}x)")
             out.append(f"| {m} | " + " | ".join(cells) + " |")
         coll = "; ".join(f"{f}: {coll_str(by[(lay, f, ms[0])]['coll'])}" for f in fmts)
         kind, n = lay

@@ -202,8 +202,9 @@ def save(path, tree, *, metadata: Optional[Dict[str, str]] = None) -> None:
 
 
 def _digest(buf) -> str:
-    """BLAKE2b with a 16-byte digest, as hex: stdlib, about 1 GB/s a core, and a
-    cryptographic hash, so no corruption pattern is systematically missed."""
+    """BLAKE2b with a 16-byte digest, as hex: in the standard library, faster than SHA-256
+    on 64-bit CPUs, and a cryptographic hash, so no corruption pattern is systematically
+    missed."""
     return hashlib.blake2b(buf, digest_size=16).hexdigest()
 
 
