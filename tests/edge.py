@@ -3,7 +3,7 @@ edge values docs/spec.md section 3 singles out (ties, zeros, -0.0, subnormals, h
 NaN)."""
 import numpy as np
 
-from jax_fp4.formats import decode_table, get_format
+from jax_fp4.formats import FORMAT_NAMES, decode_table, get_format
 
 F32_MAX = np.float32(3.4028235e38)
 EDGE = np.float32([0.0, -0.0, 1e-40, -1e-40, 1e-45, 2.0 ** -126, 3e38, -3e38, F32_MAX,
@@ -86,3 +86,22 @@ def assert_matmul_close(got, a, b, *, scale=1.0, bias=None, msg=""):
     assert not bad.any(), (f"{msg}: {bad.sum()} of {bad.size} beyond float32 rounding; max "
                            f"error {err.max():.3g}, got {np.asarray(got)[bad][:3]}, "
                            f"want {exact[bad][:3]}")
+
+
+def kernel_cases(codebook_blocks, int4):
+    """(format, block size, options) for every format, for the tests of a kernel against
+    the reference: nvfp4 with and without the per-tensor scale, MX with both scale
+    roundings, the codebook formats at each of `codebook_blocks`, and INT4 as the
+    (block size, options) pairs of `int4` (the CUDA kernels take blocks of 16 * 2^k)."""
+    cases = []
+    for fmt in FORMAT_NAMES:
+        family = get_format(fmt).family
+        if family == "nvfp4":
+            cases += [(fmt, 16, {}), (fmt, 16, {"tensor_scale": "auto"})]
+        elif family == "mx":
+            cases += [(fmt, 32, {}), (fmt, 32, {"scale_rounding": "rceil"})]
+        elif family == "codebook":
+            cases += [(fmt, bs, {}) for bs in codebook_blocks]
+        else:
+            cases += [(fmt, bs, dict(opts)) for bs, opts in int4]
+    return cases

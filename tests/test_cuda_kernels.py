@@ -9,23 +9,12 @@ import numpy as np
 import pytest
 
 import jax_fp4 as jf
-from jax_fp4.formats import FORMAT_NAMES, get_format
 
-from edge import assert_bits_equal, make_input
+from edge import assert_bits_equal, kernel_cases, make_input
 
 pytestmark = pytest.mark.gpu
 
-CASES = []
-for _fmt in FORMAT_NAMES:
-    _f = get_format(_fmt)
-    if _f.family == "nvfp4":
-        CASES += [(_fmt, 16, {}), (_fmt, 16, {"tensor_scale": "auto"})]
-    elif _f.family == "mx":
-        CASES += [(_fmt, 32, {}), (_fmt, 32, {"scale_rounding": "rceil"})]
-    elif _f.family == "codebook":
-        CASES += [(_fmt, 64, {}), (_fmt, 32, {}), (_fmt, 4096, {})]
-    else:
-        CASES += [(_fmt, 128, {}), (_fmt, 32, {}), (_fmt, 64, {"scale_dtype": jnp.float32})]
+CASES = kernel_cases((64, 32, 4096), [(128, {}), (32, {}), (64, {"scale_dtype": jnp.float32})])
 
 
 def _gpu():

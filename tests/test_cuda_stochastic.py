@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 import jax_fp4 as jf
-from jax_fp4 import primitives, reference, stochastic
-from jax_fp4.formats import FORMAT_NAMES, get_format
+from jax_fp4 import reference, stochastic
+from jax_fp4.formats import get_format
 
-from edge import assert_bits_equal, make_input
+from edge import assert_bits_equal, kernel_cases, make_input
 
 pytestmark = pytest.mark.gpu
 
@@ -26,18 +26,8 @@ TARGET = "jax_fp4_quantize_sr_v1"
 # (format, block size, options): every format (reference.quantize_2d takes `rand` for
 # every family); nvfp4 with and without the per-tensor scale, MX with both scale
 # roundings, INT4 with each scale dtype, block sizes the CUDA kernels take (16 * 2^k).
-CASES = []
-for _fmt in FORMAT_NAMES:
-    _f = get_format(_fmt)
-    if _f.family == "nvfp4":
-        CASES += [(_fmt, 16, {}), (_fmt, 16, {"tensor_scale": "auto"})]
-    elif _f.family == "mx":
-        CASES += [(_fmt, 32, {}), (_fmt, 32, {"scale_rounding": "rceil"})]
-    elif _f.family == "codebook":
-        CASES += [(_fmt, 64, {}), (_fmt, 32, {})]
-    else:
-        CASES += [(_fmt, 128, {}), (_fmt, 32, {"scale_dtype": jnp.float32}),
-                  (_fmt, 64, {"scale_dtype": jnp.float16})]
+CASES = kernel_cases((64, 32), [(128, {}), (32, {"scale_dtype": jnp.float32}),
+                                    (64, {"scale_dtype": jnp.float16})])
 
 
 def _gpu():
