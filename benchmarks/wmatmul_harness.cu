@@ -17,7 +17,7 @@
 //   ./wmatmul_harness FMT K N M TILE_M SPLITS [REPS [CLUSTER]]   FMT: nvfp4 mxfp4 nf4 int4
 //        int4f16 (int4 with f16 scales: AWQ's, with bf16 x);
 //        TILE_M 0 = the mma.sync kernels, 8/16/32/64/128/256 = the wgmma kernel; SPLITS as
-//        jax_fp4.primitives.wmatmul_splits(M, N, K, sms, TILE_M) gives them; CLUSTER 2:
+//        jax_fp4.prims._launch_plan.wmatmul_splits(M, N, K, ...) gives them; CLUSTER 2:
 //        TILE_M 256 in 2-CTA clusters that multicast x (primitives.wmatmul_cluster);
 //        env JF4_PAD_X=1: x rows padded to TILE_M as JAX pads them; JF4_TILED=1: the
 //        prepared weight layout (jax_fp4.prepare); JF4_F16_X=1: x (the same bits) as f16

@@ -2,7 +2,7 @@
 
 XLA cannot see inside a custom call, so without rules it replicates a custom call's
 operands: every jax-fp4 op on a sharded array would all-gather it. This module gives each
-primitive of :mod:`jax_fp4.primitives` a ``jax.experimental.custom_partitioning`` rule,
+primitive of :mod:`jax_fp4.prims` (and :mod:`jax_fp4.stochastic`) a ``jax.experimental.custom_partitioning`` rule,
 modelled on ``jax/_src/cudnn/scaled_matmul_stablehlo.py``.
 
 Mechanism. Each primitive ``p`` gets a twin, the *shard-local* primitive ``p_local``
@@ -406,7 +406,7 @@ def _sharding_rule(name, params_key, mesh, value_types, result_types):
 # ------------------------------------------------------------------------ registration
 def shard_local(prim: Primitive) -> Primitive:
     """The shard-local twin of ``prim``: same parameters, results and abstract evaluation;
-    it receives ``prim``'s per-platform lowerings (primitives._register_lowerings) and is
+    it receives ``prim``'s per-platform lowerings (prims._common._register_lowerings) and is
     bound only inside the per-shard body of ``prim``'s partitioned lowering."""
     local = Primitive(prim.name + "_local")
     local.multiple_results = prim.multiple_results

@@ -16,7 +16,7 @@ for a given key every backend produces the same codes; the rounding rule from th
 :func:`jax_fp4.reference.quantize_2d` (``rand``).
 
 Lowering: a CPU / CUDA FFI target ``jax_fp4_quantize_sr_v1`` where the extension has one,
-else the reference (:mod:`jax_fp4.primitives` ``_register_lowerings``).
+else the reference (:func:`jax_fp4.prims._common._register_lowerings`).
 """
 from __future__ import annotations
 
@@ -25,8 +25,10 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import batching
 
-from . import primitives, reference
-from .primitives import _at_front, _fold, _unfold
+from . import reference
+from .prims import fake_quantize as _fq, quantize as _q
+from .prims._common import _at_front, _attrs, _def_impl, _fold, _register_lowerings, _unfold
+from .prims.dequantize import dequantize_p
 
 __all__ = ["quantize_sr_p", "random_bits"]
 
@@ -48,7 +50,7 @@ def random_bits(key, rows: int, k: int):
 
 
 def _abstract(x, ts, rand, *, swizzled=False, **params):
-    return primitives._quantize_abstract(x, ts, swizzled=False, **params)
+    return _q._quantize_abstract(x, ts, swizzled=False, **params)
 
 
 def _ref(x, ts, rand, *, fmt, block_size, rceil, two_level, scale_dtype, impl):
@@ -64,13 +66,13 @@ def _batch(args, dims, **params):
 
 
 def _ffi_attrs(*, fmt, block_size, rceil, two_level, **_):
-    return primitives._attrs(fmt, block_size, rceil=rceil, two_level=two_level)
+    return _attrs(fmt, block_size, rceil=rceil, two_level=two_level)
 
 
-primitives._def_impl(quantize_sr_p)
+_def_impl(quantize_sr_p)
 quantize_sr_p.def_abstract_eval(_abstract)
 batching.primitive_batchers[quantize_sr_p] = _batch
-primitives._register_lowerings(quantize_sr_p, "jax_fp4_quantize_sr_v1", _ref,
+_register_lowerings(quantize_sr_p, "jax_fp4_quantize_sr_v1", _ref,
                                ffi_attrs=_ffi_attrs, multiple_results=True)
 
 
@@ -81,12 +83,12 @@ def fake_quantize_sr(x2, ts_rows, rand, *, dequant_params, ste, **params):
     @jax.custom_jvp
     def qdq(x):
         codes, scales, zeros = quantize_sr_p.bind(x, ts_rows, rand, **params)
-        return primitives.dequantize_p.bind(codes, scales, zeros, ts_rows, **dequant_params)
+        return dequantize_p.bind(codes, scales, zeros, ts_rows, **dequant_params)
 
     @qdq.defjvp
     def _jvp(primals, tangents):
         (x,), (dx,) = primals, tangents
-        mask = primitives.ste_mask(x, ts_rows, ste=ste, **params)
+        mask = _fq.ste_mask(x, ts_rows, ste=ste, **params)
         return qdq(x), jnp.where(mask, dx, jnp.zeros_like(dx))
 
     return qdq(x2)

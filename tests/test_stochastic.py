@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 
 import jax_fp4 as jf
-from jax_fp4 import primitives, reference
+from jax_fp4 import reference
+from jax_fp4.prims.fake_quantize import ste_mask
+from jax_fp4.prims.tensor_scale import auto_tensor_scale
 from jax_fp4.formats import FORMAT_NAMES, get_format
 
 from edge import assert_bits_equal, make_input
@@ -24,9 +26,9 @@ def _in_range(x, fmt, kw):
     x2 = jnp.asarray(x).reshape(-1, x.shape[-1])
     f = get_format(fmt)
     ts = kw.get("tensor_scale")
-    ts_rows = (jnp.broadcast_to(primitives.auto_tensor_scale(x2), (x2.shape[0],))
+    ts_rows = (jnp.broadcast_to(auto_tensor_scale(x2), (x2.shape[0],))
                if ts else jnp.zeros((x2.shape[0],), jnp.float32))
-    return np.asarray(jax.jit(lambda v, t: primitives.ste_mask(
+    return np.asarray(jax.jit(lambda v, t: ste_mask(
         v, t, ste="clipped", fmt=f.name,
         block_size=kw.get("block_size", f.default_block), rceil=False, two_level=bool(ts),
         scale_dtype=np.dtype(np.float32) if f.family == "int4" else None,
@@ -39,7 +41,7 @@ def _neighbours(x, fmt, kw):
     def with_bits(b):
         x2 = x.reshape(-1, x.shape[-1])
         bs = kw.get("block_size", get_format(fmt).default_block)
-        ts = (jnp.broadcast_to(primitives.auto_tensor_scale(x2), (x2.shape[0],))
+        ts = (jnp.broadcast_to(auto_tensor_scale(x2), (x2.shape[0],))
               if "tensor_scale" in kw else None)
         rand = jnp.full(x2.shape, b, jnp.uint32)
         fq = jax.jit(lambda v, t, r: reference.fake_quantize_2d(v, fmt, bs, tensor_scale=t,
@@ -98,7 +100,7 @@ def test_stochastic_rounding_deterministic_for_a_key(fmt, rng):
     rand = jax.random.bits(k1, (15, 64), jnp.uint32)
     codes, _, _ = reference.quantize_2d(
         x2, fmt, kw.get("block_size", get_format(fmt).default_block),
-        tensor_scale=(jnp.broadcast_to(primitives.auto_tensor_scale(x2), (15,))
+        tensor_scale=(jnp.broadcast_to(auto_tensor_scale(x2), (15,))
                       if "tensor_scale" in kw else None), rand=rand)
     np.testing.assert_array_equal(np.asarray(a.data).view(np.uint8).reshape(15, -1),
                                   np.asarray(codes))

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import jax_fp4 as jf
-from jax_fp4 import _ext, primitives, reference, stochastic
+from jax_fp4 import _ext, reference, stochastic
+from jax_fp4.prims.tensor_scale import auto_tensor_scale
 from jax_fp4.formats import FORMAT_NAMES, get_format
 
 from edge import assert_bits_equal, make_input
@@ -82,7 +83,7 @@ def test_sr_kernel_matches_reference(fmt, rng):
         for var in variants:
             kw = dict(var)
             if kw.pop("two_level", False):
-                kw["ts"] = jnp.broadcast_to(primitives.auto_tensor_scale(x), (rows,))
+                kw["ts"] = jnp.broadcast_to(auto_tensor_scale(x), (rows,))
             for i, rand in enumerate(_rand_cases(x.shape, int(rng.integers(2**31)))):
                 got = _sr(x, rand, fmt, bs, impl="kernels", **kw)
                 want = _sr(x, rand, fmt, bs, impl="reference", **kw)

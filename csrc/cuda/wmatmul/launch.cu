@@ -134,7 +134,7 @@ cudaError_t launch_wgmma(cudaStream_t stream, const uint16_t* xp, const uint8_t*
       if (e != cudaSuccess) return e;
     }
   }
-  // clusters of p.cluster CTAs (jax_fp4/primitives.py, wmatmul_cluster), the weight tiles
+  // clusters of p.cluster CTAs (jax_fp4/prims/_launch_plan.py, wmatmul_cluster), the weight tiles
   // rounded up to whole clusters (the kernel's raster)
   const int cluster_ctas = wg_can_multicast<BN>() && p.cluster == 2 ? 2 : 1;
   const int64_t n_tiles = ((p.N + kWgRows - 1) / kWgRows + cluster_ctas - 1) / cluster_ctas * cluster_ctas;

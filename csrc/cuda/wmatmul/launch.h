@@ -8,7 +8,7 @@
 //
 // x (M, K) bf16/f16; w (N, K) a 4-bit QArray blocked along K (nvfp4 with or without the
 // per-tensor scale, mxfp4, nf4, bnb_fp4, int4); partial (S, M, N) float32, summed over
-// the S K-splits by the caller (jax_fp4/primitives.py), or x's dtype when S = 1. Each
+// the S K-splits by the caller (jax_fp4/prims/wmatmul.py), or x's dtype when S = 1. Each
 // weight element is decoded inside the main loop -- no dequantized weight reaches HBM --
 // to the reference's value rounded once to x's dtype, except NVFP4's per-tensor scale,
 // which multiplies the float32 accumulator instead (the W4A16 tolerance contract,

@@ -23,7 +23,7 @@ namespace {
 // warpgroup issues 8 wgmma m64nBNk16, BN = 8 .. 256 (the caller's tile_m: 8 for M <= 8,
 // where n8 beats n16: half the B tile to copy and multiply). The
 // MMA sums over k, so the activations must sit in shared memory in the lane's k order:
-// the caller passes x pre-permuted within each 128-k block (jax_fp4/primitives.py,
+// the caller passes x pre-permuted within each 128-k block (jax_fp4/prims/wmatmul.py,
 // wmatmul_x_layout), so that plain tile copies do.
 //
 // Pipeline. The tensor memory accelerator copies each step's BN x 128 activation tile
