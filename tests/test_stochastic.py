@@ -52,10 +52,10 @@ def _neighbours(x, fmt, kw):
 
 @pytest.mark.parametrize("fmt", FORMAT_NAMES)
 def test_stochastic_rounding_is_unbiased(fmt, rng):
-    """The mean of n draws converges to x: |mean - x| <= 6 standard errors per element,
-    the standard error of the two-point law between x's grid neighbours a, b
-    (|b - a| sqrt(p (1 - p) / n), p = (x - a) / (b - a)), for the elements inside their
-    block's range (saturated ones clamp)."""
+    """The mean of n draws converges to x: |mean - x| <= 6 standard errors per element
+    (plus 3 / n of a step for rare draws), the standard error of the two-point law between
+    x's grid neighbours a, b (|b - a| sqrt(p (1 - p) / n), p = (x - a) / (b - a)), for the
+    elements inside their block's range (saturated ones clamp)."""
     kw = _kw(fmt)
     x = jnp.asarray(rng.standard_normal((4, 64)), jnp.float32)
     n = 1024
@@ -72,8 +72,11 @@ def test_stochastic_rounding_is_unbiased(fmt, rng):
     gap = np.abs(b - a)
     p = np.where(gap > 0, np.abs(xd - a) / np.where(gap > 0, gap, 1), 0)
     se = gap * np.sqrt(p * (1 - p) / n)
+    # plus 3 draws' worth of one step: for n * min(p, 1 - p) below ~1 the rare draws are
+    # Poisson, and a single one is many standard errors
+    bound = 6 * se + 3 * gap / n + 1e-7
     err = np.abs(ys.mean(0) - xd)
-    assert np.all(err[ok] <= 6 * se[ok] + 1e-7), float(np.max(err[ok] - 6 * se[ok]))
+    assert np.all(err[ok] <= bound[ok]), float(np.max(err[ok] - bound[ok]))
     # each draw is one of the two neighbours
     assert np.all((ys == a) | (ys == b))
     # round-to-nearest is biased on these elements: the test could fail

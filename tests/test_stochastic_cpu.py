@@ -147,9 +147,13 @@ def test_sr_kernel_unbiased_across_magnitudes(fmt, rng):
     inside = (lo <= xd) & (xd <= hi)
     p = np.where(hi > lo, (xd - lo) / np.where(hi > lo, hi - lo, 1), 0)
     se = (hi - lo) * np.sqrt(p * (1 - p) / n)
+    # plus 3 draws' worth of one step: where n * min(p, 1 - p) is below ~1 the count of
+    # rare draws is Poisson, not normal, and one rare draw alone is many standard errors
+    # (such a draw has probability ~n * min(p, 1 - p); three more than expected, ~1e-8)
+    bound = 6 * se + 3 * (hi - lo) / n + 1e-12
     err = np.abs(ys.mean(0) - xd)
     assert inside.mean() > 0.5
-    assert np.all(err[inside] <= 6 * se[inside] + 1e-12), float(np.max(err[inside] - 6 * se[inside]))
+    assert np.all(err[inside] <= bound[inside]), float(np.max(err[inside] - bound[inside]))
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8_e4m3", "bnb_fp4", "int4"])
