@@ -52,11 +52,14 @@ for s in $steps; do
       run bench_tp 560 python3 benchmarks/bench_model.py --tp 1 2 --ms ${TP_MS:-1 4 16 64} --no-kernel-sum \
            --results "$OUT/RESULTS_tp.md" --json "$OUT/bench_tp.json" ;;
     overhead)  # a step's time outside the kernels, with XLA's command buffers on (default) and off
-      for flags in "" "--xla_gpu_enable_command_buffer=" "--xla_gpu_graph_min_graph_size=1"; do
-        XLA_FLAGS="$flags" timeout 200 python3 benchmarks/step_overhead.py --m ${OVERHEAD_M:-1} \
-          --formats ${OVERHEAD_FORMATS:-nvfp4} >> "$OUT/overhead.log" 2>&1
-      done
-      say "overhead"; grep -E "^(XLA_FLAGS|bf16|nvfp4|mxfp4|int4|nf4|bnb_fp4|#   host)" "$OUT/overhead.log" | cut -c1-200 ;;
+      # OVERHEAD_FLAGS: XLA_FLAGS variants separated by "|" (an empty one is XLA's default);
+      # OVERHEAD_ARGS: more step_overhead.py arguments (e.g. --no-trace)
+      IFS='|' read -r -a variants <<< "${OVERHEAD_FLAGS-|--xla_gpu_enable_command_buffer=|--xla_gpu_graph_min_graph_size=1}"
+      for m in ${OVERHEAD_M:-1}; do for flags in "${variants[@]}"; do
+        XLA_FLAGS="$flags" timeout 200 python3 benchmarks/step_overhead.py --m $m \
+          --formats ${OVERHEAD_FORMATS:-nvfp4} ${OVERHEAD_ARGS:-} >> "$OUT/overhead.log" 2>&1
+      done; done
+      say "overhead"; grep -E "^(XLA_FLAGS|bf16|nvfp4|mxfp4|int4|nf4|bnb_fp4|#   host|#   kernel|Traceback|[A-Za-z]*Error)" "$OUT/overhead.log" | cut -c1-220 ;;
     harness)  # benchmarks/wmatmul_harness.cu linked against the kernels' units, and one run
       run harness_build 400 nvcc -std=c++17 -O3 -fmad=false --expt-relaxed-constexpr \
         -gencode=arch=compute_90a,code=sm_90a -Icsrc -diag-suppress 940,2473 \

@@ -7,7 +7,7 @@ buffer or CUDA graph (XLA converts thunk sequences into command buffers after HL
 optimisation, so the compiled HLO text never shows them). Run it under different XLA_FLAGS
 to compare, e.g. `--xla_gpu_enable_command_buffer=` (none) against XLA's default.
 
-  python benchmarks/step_overhead.py [--m 1] [--formats nvfp4 int4] [--layers 8]
+  python benchmarks/step_overhead.py [--m 1] [--formats nvfp4 int4] [--layers 8] [--no-trace]
 """
 import argparse
 import collections
@@ -34,8 +34,9 @@ _MATMUL = re.compile(r"gemm|gemv|nvjet|cutlass|wmatmul|sm90_xmma|triton_gemm", r
 def trace_events(fn, args, calls=5):
     """(GPU stream events per call, seconds per call of the GPU events that are matmul
     kernels (_MATMUL), {host event name matching _GRAPH: count per call}, {host event
-    name: microseconds per call} of the longest host events) from a JAX profiler trace of
-    `calls` blocked calls."""
+    name: microseconds per call} of the longest host events, {GPU kernel name: (count,
+    microseconds) per call} of the longest kernels) from a JAX profiler trace of `calls`
+    blocked calls."""
     from jax.profiler import ProfileData
 
     jax.block_until_ready(fn(*args))
@@ -45,6 +46,7 @@ def trace_events(fn, args, calls=5):
             jax.block_until_ready(fn(*args))
     path = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)[0]
     n_gpu, mm_ns, graph, host_us = 0, 0.0, collections.Counter(), collections.Counter()
+    kern_us, kern_n = collections.Counter(), collections.Counter()
     for plane in ProfileData.from_file(path).planes:
         gpu = plane.name.startswith("/device:GPU")
         for line in plane.lines:
@@ -52,12 +54,28 @@ def trace_events(fn, args, calls=5):
                 if gpu and line.name.startswith("Stream"):
                     n_gpu += 1
                     mm_ns += e.duration_ns if _MATMUL.search(e.name) else 0
+                    kern_us[e.name[:60]] += e.duration_ns / 1e3 / calls
+                    kern_n[e.name[:60]] += 1 / calls
                 elif not gpu:
                     host_us[e.name[:70]] += e.duration_ns / 1e3 / calls
                     if _GRAPH.search(e.name):
                         graph[e.name[:60]] += 1
     return (n_gpu / calls, mm_ns * 1e-9 / calls, {k: v / calls for k, v in graph.most_common(6)},
-            dict(host_us.most_common(14)))
+            dict(host_us.most_common(14)),
+            {k: (kern_n[k], us) for k, us in kern_us.most_common(16)})
+
+
+def decode_loop(fn, args, iters=30):
+    """Wall time per step of `iters` steps dispatched back to back the way a decode loop
+    runs them: each step's output is the next step's input, so only two outputs are alive
+    (bench_model.wall_times keeps all of them)."""
+    p, c, x = args
+    jax.block_until_ready(fn(p, c, x))
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        x = fn(p, c, x)
+    jax.block_until_ready(x)
+    return (time.perf_counter() - t0) / iters
 
 
 def main():
@@ -65,6 +83,8 @@ def main():
     ap.add_argument("--m", type=int, default=1)
     ap.add_argument("--formats", nargs="+", default=["nvfp4"])
     ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--no-trace", action="store_true",
+                    help="skip the profiler (kernel sum, events): wall times only")
     args = ap.parse_args()
     cfg = bench_model.Config(layers=args.layers)
     params = bench_model.init_params(cfg, jax.random.key(0))
@@ -76,6 +96,7 @@ def main():
     for fmt in ["bf16", *args.formats]:
         fa = (bench_model.quantized(params, fmt), cache, x)
         wall, piped = bench_model.wall_times(fn, fa, 30)
+        loop = decode_loop(fn, fa)
         ds = []
         for _ in range(30):
             jax.block_until_ready(fn(*fa))
@@ -83,17 +104,21 @@ def main():
             r = fn(*fa)
             ds.append(time.perf_counter() - t0)
             jax.block_until_ready(r)
-        ksum = bench_model.kernel_sum(fn, fa)
-        try:
-            n_gpu, mm, graph, host = trace_events(fn, fa)
-        except Exception as e:  # no profiler trace on this backend
-            n_gpu, mm, graph, host = float("nan"), float("nan"), {type(e).__name__: 0}, {}
+        ksum, n_gpu, mm, graph, host, kern = (float("nan"),) * 3 + ({}, {}, {})
+        if not args.no_trace:
+            ksum = bench_model.kernel_sum(fn, fa)
+            try:
+                n_gpu, mm, graph, host, kern = trace_events(fn, fa)
+            except Exception as e:  # no profiler trace on this backend
+                graph = {type(e).__name__: 0}
         print(f"{fmt:8s} dispatch {statistics.median(ds) * 1e3:7.3f} ms  wall {wall * 1e3:7.3f} ms  "
-              f"back-to-back {piped * 1e3:7.3f} ms  kernels {ksum * 1e3:7.3f} ms "
-              f"(matmuls {mm * 1e3:.3f})  "
+              f"back-to-back {piped * 1e3:7.3f} ms  decode loop {loop * 1e3:7.3f} ms  "
+              f"kernels {ksum * 1e3:7.3f} ms (matmuls {mm * 1e3:.3f})  "
               f"GPU events/step {n_gpu:.0f}  graph events/step {graph}", flush=True)
         for name, us in host.items():
             print(f"#   host {us:9.1f} us/step  {name}", flush=True)
+        for name, (n, us) in kern.items():
+            print(f"#   kernel {us:8.1f} us/step  {n:5.1f}x  {name}", flush=True)
 
 
 if __name__ == "__main__":
