@@ -41,15 +41,15 @@ for s in $steps; do
     bench-quant) run bench_quant 400 python3 benchmarks/bench_quant.py --results "$OUT/RESULTS_quant.md" ;;
     bench-matmul) run bench_matmul 500 python3 benchmarks/bench_matmul.py --shapes 8192x28672 28672x8192 \
            --ms 1 4 16 64 256 1024 --rule-ms 256 --scaled 4096 8192 --results "$OUT/RESULTS_matmul.md" ;;
-    bench-model) run bench_model 560 python3 benchmarks/bench_model.py --ms ${MODEL_MS:-1 16 64} \
-           --results "$OUT/RESULTS_model.md" --json "$OUT/bench_model.json" ;;
+    bench-model) run bench_model ${MODEL_LIMIT:-560} python3 benchmarks/bench_model.py --ms ${MODEL_MS:-1 16 64} \
+           ${MODEL_ARGS:-} --results "$OUT/RESULTS_model.md" --json "$OUT/bench_model.json" ;;
     bench-ops) run bench_ops 400 python3 benchmarks/bench_matmul.py --shapes 4096x1024 4096x4096 \
            4096x14336 14336x4096 8192x28672 --ms 1 16 --tensor-scale --prepare --reference-formats \
            --rule-ms --scaled --results "$OUT/RESULTS_ops.md" ;;
     qlora) run qlora 300 python3 benchmarks/qlora_memory.py --json "$OUT/qlora_memory.json" ;;
     sharding)  # needs >= 2 GPUs: the partitioned lowering's tests, then tensor parallel 1 vs 2
       run test_sharding_gpu 200 python3 -m pytest -q -ra -x tests/test_sharding_gpu.py  # -x: a failed kernel on one GPU leaves the other waiting in its collective
-      run bench_tp 560 python3 benchmarks/bench_model.py --tp 1 2 --ms ${TP_MS:-1 4 16 64} --no-kernel-sum \
+      run bench_tp ${TP_LIMIT:-560} python3 benchmarks/bench_model.py --tp 1 2 ${TP_ARGS:-} --ms ${TP_MS:-1 4 16 64} --no-kernel-sum \
            --results "$OUT/RESULTS_tp.md" --json "$OUT/bench_tp.json" ;;
     overhead)  # a step's time outside the kernels, with XLA's command buffers on (default) and off
       # OVERHEAD_FLAGS: XLA_FLAGS variants separated by "|" (an empty one is XLA's default);

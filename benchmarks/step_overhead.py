@@ -1,8 +1,9 @@
 """Where a decoder step's wall time goes outside the kernels (diagnostic for bench_model).
 
 For bf16 and each format at one M: the host's dispatch time of one call (until the call
-returns, before the GPU finishes), the blocked wall time, steps back to back, the kernel
-sum, the GPU events per step, and the profiler's host-side events that name a command
+returns, before the GPU finishes), the blocked wall time, a decode loop
+(bench_model.wall_times), steps on the same inputs back to back with every output kept,
+the kernel sum, the longest kernels, the GPU events per step, and the profiler's host-side events that name a command
 buffer or CUDA graph (XLA converts thunk sequences into command buffers after HLO
 optimisation, so the compiled HLO text never shows them). Run it under different XLA_FLAGS
 to compare, e.g. `--xla_gpu_enable_command_buffer=` (none) against XLA's default.
@@ -65,16 +66,13 @@ def trace_events(fn, args, calls=5):
             {k: (kern_n[k], us) for k, us in kern_us.most_common(16)})
 
 
-def decode_loop(fn, args, iters=30):
-    """Wall time per step of `iters` steps dispatched back to back the way a decode loop
-    runs them: each step's output is the next step's input, so only two outputs are alive
-    (bench_model.wall_times keeps all of them)."""
-    p, c, x = args
-    jax.block_until_ready(fn(p, c, x))
+def back_to_back(fn, args, iters=30):
+    """Wall time per step of `iters` calls on the same inputs dispatched back to back, every
+    output kept alive until the end (unlike bench_model's decode loop, where only two
+    outputs are alive)."""
+    jax.block_until_ready(fn(*args))
     t0 = time.perf_counter()
-    for _ in range(iters):
-        x = fn(p, c, x)
-    jax.block_until_ready(x)
+    jax.block_until_ready([fn(*args) for _ in range(iters)])
     return (time.perf_counter() - t0) / iters
 
 
@@ -95,8 +93,8 @@ def main():
     print(f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r} M={args.m}")
     for fmt in ["bf16", *args.formats]:
         fa = (bench_model.quantized(params, fmt), cache, x)
-        wall, piped = bench_model.wall_times(fn, fa, 30)
-        loop = decode_loop(fn, fa)
+        wall, loop = bench_model.wall_times(fn, fa, 30)
+        piped = back_to_back(fn, fa)
         ds = []
         for _ in range(30):
             jax.block_until_ready(fn(*fa))

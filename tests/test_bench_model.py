@@ -18,7 +18,7 @@ def test_bench_model_tiny_runs(tmp_path):
     rows = bench_model.main(["--tiny", "--ms", "8", "--iters", "2", "--formats", "int4",
                              "--results", str(out)])
     assert {(r["fmt"], r["m"]) for r in rows} == {("bf16", 8), ("int4", 8)}
-    assert all(r["wall"] > 0 and r["piped"] > 0 for r in rows)
+    assert all(r["wall"] > 0 and r["loop"] > 0 for r in rows)
     text = out.read_text()
     assert "| M | bf16 | int4 |" in text and "bench_model.py" in text
 
