@@ -2,8 +2,9 @@
 
 What a user sees (docs/benchmarks.md): the wall time of one jitted step of a decoder with
 Llama-3-8B's shapes (hidden 4096; GQA attention with 32 query and 8 key/value heads of
-128; SwiGLU MLP of 14336; RMSNorm, RoPE and residuals), random weights, `--layers` of its 32
-layers. Each step takes M rows of activations: B = min(M, 64) sequences of T = M / B new
+128; SwiGLU MLP of 14336; RMSNorm, RoPE and residuals; `--model 70b`: Llama-3-70B's, hidden
+8192, 64 query heads, MLP 28672), random weights, `--layers` of its 32 (80) layers and the
+final RMSNorm. Each step takes M rows of activations: B = min(M, 64) sequences of T = M / B new
 tokens that attend (causally among themselves) to a KV cache of `--context` tokens per
 sequence (read every step; the cache update is not part of the step). The whole step is
 one `jax.jit`; weights are bf16 for the baseline and `jax_fp4.nn.quantize_params(params,
@@ -20,7 +21,7 @@ decode loop's tokens/s. Prints a markdown table and appends it, with the command
 date, to RESULTS.md.
 
   python benchmarks/bench_model.py [--formats nvfp4 mxfp4 nf4 bnb_fp4 int4]
-      [--ms 1 4 16 64 256 1024] [--layers 8] [--iters 30] [--tp 1 2] [--fsdp 2]
+      [--ms 1 4 16 64 256 1024] [--model 8b|70b] [--layers 8] [--iters 30] [--tp 1 2] [--fsdp 2]
       [--no-kernel-sum] [--tiny]   (a small model for a CPU smoke run)
 
 With `--tp N` the step runs Megatron-style tensor parallel over N devices (q/k/v/gate/up
@@ -77,6 +78,9 @@ class Config:
         return b, m // b
 
 
+# Llama-3-70B's layer shapes (`--model 70b`): tensor parallelism's test case, whose matmuls
+# per device outweigh an all-reduce's latency where the 8B's do not
+LLAMA3_70B = Config(hidden=8192, heads=64, kv_heads=8, head_dim=128, ffn=28672)
 TINY = Config(hidden=256, heads=4, kv_heads=2, head_dim=64, ffn=512, layers=2, context=64,
               max_batch=4)
 
@@ -263,7 +267,9 @@ def kernel_sum(fn, args):
         return float("nan")
 
 
-_COLLECTIVE = re.compile(r"= (\([^)]*\)|\S+) (all-reduce|all-gather|reduce-scatter|all-to-all|"
+# one HLO instruction line: its result type (an array or a tuple, nested for combined
+# asynchronous collectives), the collective and its phase
+_COLLECTIVE = re.compile(r"= (.+?) (all-reduce|all-gather|reduce-scatter|all-to-all|"
                          r"collective-permute)(-start|-done)?\(")
 
 
@@ -277,13 +283,14 @@ def _nbytes(shapes):
 
 
 def collectives(fn, args):
-    """{kind: (count, bytes of their results per device)} of the compiled step's collectives.
-    An asynchronous one prints as ``X-start`` ... ``X-done`` (XLA's async syntax) or as an
+    """{kind: (count, bytes of their results per device)} of the compiled step's collectives
+    (after XLA's combiners: one op may carry several arrays). An asynchronous one prints as ``X-start`` ... ``X-done`` (XLA's async syntax) or as an
     ``async-start`` of a computation holding ``X``: counted once either way, sized at
     ``X`` or at ``X-done``."""
     text = fn.lower(*args).compile().as_text()
     seen = {}  # kind: [plain count, plain bytes, starts, done bytes]
-    for shapes, kind, phase in _COLLECTIVE.findall(text):
+    found = (_COLLECTIVE.search(line) for line in text.splitlines())
+    for shapes, kind, phase in (f.groups() for f in found if f):
         c = seen.setdefault(kind, [0, 0, 0, 0])
         if not phase:
             c[0] += 1
@@ -314,7 +321,7 @@ def layout_name(kind, n):
 
 
 def run(args):
-    cfg = TINY if args.tiny else Config()
+    cfg = TINY if args.tiny else LLAMA3_70B if args.model == "70b" else Config()
     cfg = dataclasses.replace(cfg, layers=args.layers or cfg.layers,
                               context=args.context or cfg.context)
     key = jax.random.key(0)
@@ -414,7 +421,8 @@ def table(cfg, rows):
             f"a decode loop (steps back to back, each one's output the next one's input; "
             f"in brackets: the kernel-time ratio from the profiler, per device); bf16 "
             f"column: blocked / decode-loop ms per step (kernel ms), decode-loop tokens/s. "
-            f"{cfg.layers} of 32 layers, context {cfg.context}.")
+            f"{cfg.layers} layers of hidden {cfg.hidden} / MLP {cfg.ffn}, context "
+            f"{cfg.context}.")
     return "\n\n".join(parts) + "\n\n" + note + "\n"
 
 
@@ -422,7 +430,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--formats", nargs="+", default=FORMATS)
     ap.add_argument("--ms", nargs="+", type=int, default=[1, 4, 16, 64, 256, 1024])
-    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default 8 of 32)")
+    ap.add_argument("--model", choices=["8b", "70b"], default="8b",
+                    help="Llama-3-8B's layer shapes (default) or Llama-3-70B's")
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default 8)")
     ap.add_argument("--context", type=int, default=None, help="KV-cache tokens (default 2048)")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--tp", nargs="+", type=int, default=[1],
