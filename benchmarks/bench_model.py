@@ -287,7 +287,11 @@ def collectives(fn, args):
     (after XLA's combiners: one op may carry several arrays). An asynchronous one prints as ``X-start`` ... ``X-done`` (XLA's async syntax) or as an
     ``async-start`` of a computation holding ``X``: counted once either way, sized at
     ``X`` or at ``X-done``."""
-    text = fn.lower(*args).compile().as_text()
+    return collectives_in(fn.lower(*args).compile().as_text())
+
+
+def collectives_in(text):
+    """collectives() of a compiled module's HLO text."""
     seen = {}  # kind: [plain count, plain bytes, starts, done bytes]
     found = (_COLLECTIVE.search(line) for line in text.splitlines())
     for shapes, kind, phase in (f.groups() for f in found if f):
