@@ -233,8 +233,11 @@ def prepare(q: QArray) -> QArray:
     nf4 / bnb_fp4 in power-of-two blocks of 16..128 whose scales and zero points per row
     and 128 k fit the kernel's 16 bytes (int4 groups of 64 / 128 with any scale dtype or 32
     with bf16 / f16 scales, nf4 / bnb_fp4 blocks of 32..128; jax_fp4.layout.tileable). Any
-    other QArray (and one already prepared) is returned unchanged. Pure jnp: works under
-    jit and on stacked (vmap / scan) weights.
+    other QArray (and one already prepared) is returned unchanged, as is one whose blocked
+    axis is split over devices (a row-parallel weight: the tiled layout interleaves K within
+    each tile, so it cannot be split; docs/sharding.md) as far as its sharding is known (a
+    committed array's; under jit with Explicit mesh axes, where any split weight is
+    returned unchanged). Pure jnp: works under jit and on stacked (vmap / scan) weights.
 
     Args:
       q: a QArray.
@@ -257,10 +260,41 @@ def _relayout(q: QArray, move, scale_layout):
 
 
 def _tileable(q: QArray) -> bool:
-    """Whether :func:`prepare` applies (jax_fp4.layout.tileable)."""
+    """Whether :func:`prepare` applies (jax_fp4.layout.tileable, and a sharding the tiled
+    layout can keep: _layout_keeps_sharding)."""
     return (q.scale_layout == "linear" and q.data.ndim >= 2
             and layout.tileable(q.format, q.block_size, q.scales.dtype, q.data.shape[-2],
-                                q.shape[q.axis]))
+                                q.shape[q.axis])
+            and _layout_keeps_sharding(q.data))
+
+
+def _layout_keeps_sharding(data) -> bool:
+    """Whether the tiled layout can hold codes `data` as they are split over devices, as
+    far as their sharding is known (a committed array's; under jit a traced one's where the
+    mesh axes are Explicit, none where they are Auto). The blocked axis (the codes' last:
+    K of a weight) must not be split: the layout interleaves K within each tile. Under
+    Explicit axes no axis may be split, since the re-layout's reshapes would need output
+    shardings of their own."""
+    traced = isinstance(data, jax.core.Tracer)
+    if traced:
+        try:
+            sharding = jax.typeof(data).sharding
+        except Exception:  # no sharding in the abstract value (older JAX, some tracers)
+            return True
+    else:
+        sharding = getattr(data, "sharding", None)
+    spec, mesh = getattr(sharding, "spec", None), getattr(sharding, "mesh", None)
+    if not spec or mesh is None:
+        return True
+
+    def devices(entry):
+        names = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+        return math.prod(mesh.shape[n] for n in names)
+
+    split = [devices(e) for e in tuple(spec)[:data.ndim]]
+    if traced:
+        return all(n == 1 for n in split)
+    return len(split) < data.ndim or split[data.ndim - 1] == 1
 
 
 def unprepare(q: QArray) -> QArray:

@@ -700,3 +700,32 @@ def test_qarray_partition_specs_errors():
         qarray_partition_specs(P(), np.zeros((2, 2)))
     with pytest.raises(ValueError, match="spec: expected at most 2 entries"):
         qarray_partition_specs(P(None, None, "model"), q)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "int4"])
+def test_prepare_leaves_a_k_split_weight_linear(fmt):
+    """prepare / quantize_params(prepare=True) keep a weight whose K is split over devices
+    (row parallel) in the linear layout, so its matmul sums partial products instead of
+    gathering the input; split on N (column parallel) or unsplit it is tiled (eagerly or
+    under Auto axes)."""
+    w = _x((1024, 256), 3)  # K over 8 devices: whole int4 groups of 128 on each
+    row = jax.device_put(w, NamedSharding(MESH_1D, P("model", None)))
+    col = jax.device_put(w, NamedSharding(MESH_1D, P(None, "model")))
+    for arr, want in ((row, "linear"), (col, "tiled"), (w, "tiled")):
+        q = jf.prepare(jf.quantize(arr, fmt, axis=0))
+        assert q.scale_layout == want, (arr.sharding, q.data.sharding)
+        tree = jf.nn.quantize_params({"d": {"kernel": arr}}, fmt, prepare=True)
+        assert tree["d"]["kernel"].scale_layout == want
+    # under jit with Explicit mesh axes the traced values carry shardings: a split weight
+    # stays linear (the re-layout's reshapes would need shardings of their own)
+    mesh = Mesh(np.array(_CPUS[:8]), ("model",), axis_types=(AxisType.Explicit,))
+    with jax.set_mesh(mesh):
+        for spec, want in ((P("model", None), "linear"), (P(None, "model"), "linear"),
+                           (P(), "tiled")):
+            arr = jax.device_put(w, NamedSharding(mesh, spec))
+            q = jax.jit(lambda a: jf.prepare(jf.quantize(a, fmt, axis=0)))(arr)
+            assert q.scale_layout == want, spec
+    f = jax.jit(lambda x, q: jf.matmul(x, q))
+    q = jf.prepare(jf.quantize(row, fmt, axis=0))
+    x = put(_x((16, 1024), 4), P(None, "model"), MESH_1D)
+    assert [c[0] for c in collectives(f, x, q)] == ["all-reduce"]

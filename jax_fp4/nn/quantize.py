@@ -64,7 +64,8 @@ def quantize_params(tree, format: str = "nvfp4", *, filter: Filter = None, axis=
         jax_fp4.layout.tileable allows; bit-identical results, faster on a Hopper GPU at
         every M measured, a copy per call elsewhere). None (default): where the wgmma
         kernel, which reads that layout as it is, runs on the default device (an sm_90
-        GPU and a build for sm_90a), else not.
+        GPU and a build for sm_90a), else not. A weight whose contraction axis is split
+        over devices stays linear either way (:func:`jax_fp4.prepare`).
       method: how the weights are rounded (:mod:`jax_fp4.ptq`, docs/ptq.md): "rtn"
         (round to nearest, default), "mse" (MSE-optimal block scales), "gptq" (GPTQ
         error feedback; needs ``calibration``), "awq" (activation-aware channel scaling
