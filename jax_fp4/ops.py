@@ -275,14 +275,14 @@ def _layout_keeps_sharding(data) -> bool:
     K of a weight) must not be split: the layout interleaves K within each tile. Under
     Explicit axes no axis may be split, since the re-layout's reshapes would need output
     shardings of their own."""
-    traced = isinstance(data, jax.core.Tracer)
-    if traced:
+    try:
+        sharding, traced = data.sharding, False  # a committed array's
+    except AttributeError:  # traced (or NumPy): the abstract value's, if it has one
+        traced = True
         try:
             sharding = jax.typeof(data).sharding
-        except Exception:  # no sharding in the abstract value (older JAX, some tracers)
+        except Exception:  # none in this JAX's abstract values
             return True
-    else:
-        sharding = getattr(data, "sharding", None)
     spec, mesh = getattr(sharding, "spec", None), getattr(sharding, "mesh", None)
     if not spec or mesh is None:
         return True
