@@ -17,6 +17,8 @@ def test_json_and_markdown_rows_agree(tmp_path):
     assert [(r["m"], r["fmt"], round(r["ratio"], 2)) for r in a] == \
         [(r["m"], r["fmt"], r["ratio"]) for r in b]
     assert all(abs(x["bf16_ms"] - y["bf16_ms"]) < 1e-3 for x, y in zip(a, b))
+    assert [round(r["loop_ratio"], 2) for r in a] == [r["loop_ratio"] for r in b]
+    assert all(abs(x["bf16_loop_ms"] - y["bf16_loop_ms"]) < 1e-3 for x, y in zip(a, b))
 
 
 def test_recorded_results_parse():
@@ -26,3 +28,7 @@ def test_recorded_results_parse():
     h100 = {(r["m"], r["fmt"]): r["ratio"] for r in rows if r["table"].startswith("A. H100")}
     assert h100[(1, "nvfp4")] > 1 and (1024, "mxfp4") not in h100  # "-": not measured
     assert all(r["ratio"] > 0 and r["m"] >= 1 for r in rows)
+    # tables with a decode loop give both ratios; older ones the blocked one alone
+    i = [r for r in rows if r["table"].startswith("I. H100") and (r["m"], r["fmt"]) == (1, "nvfp4")]
+    assert [(r["ratio"], r["loop_ratio"]) for r in i] == [(1.14, 1.89), (1.58, 1.87)]
+    assert all(r["loop_ratio"] is None for r in rows if r["table"].startswith("A. H100"))
