@@ -336,15 +336,10 @@ def run_demo(model_dir=None, variants: Iterable = DEFAULT_VARIANTS, *,
 def _ptq_calibration(enc, sentences, bs, Calibration):
     """GPTQ / AWQ calibration of the demo model: the calibration sentences in batches of
     one shape (the last padded with masked rows), padding tokens masked out."""
-    ids, mask = enc.tokenize(sentences)
-    batches = []
-    for s in range(0, len(sentences), bs):
-        bi, bm = ids[s:s + bs], mask[s:s + bs]
-        if bi.shape[0] < bs:
-            pad = np.zeros((bs - bi.shape[0], bi.shape[1]), np.int32)
-            bi, bm = np.concatenate([bi, pad]), np.concatenate([bm, pad])
-        batches.append((bi, bm))
-    return Calibration(batches, forward=_embed_batch, mask=lambda b: b[1])
+    from ..ptq.bert import sentence_batches
+
+    return Calibration(sentence_batches(enc, sentences, bs), forward=_embed_batch,
+                       mask=lambda b: b[1])
 
 
 def _mb(n):
