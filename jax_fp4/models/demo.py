@@ -94,8 +94,9 @@ def parse_variant(spec: str, act_mode: str = "auto") -> Variant:
 
 def load_sentences(path=None, limit: Optional[int] = None) -> List[str]:
     """The demo sentences: one per line of ``path`` (default: the packaged
-    ``jax_fp4/data/sentences.txt``, 240 sentences on 24 topics), blank lines skipped, the
-    first ``limit`` of them."""
+    ``jax_fp4/data/sentences.txt``, 1,152 sentences on 72 topics, each with close
+    paraphrases and same-topic neighbours in both halves of :func:`split_sentences`), blank
+    lines skipped, the first ``limit`` of them."""
     if path is None:
         text = (importlib.resources.files("jax_fp4") / "data" / "sentences.txt").read_text(
             encoding="utf-8")
