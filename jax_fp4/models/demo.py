@@ -94,9 +94,9 @@ def parse_variant(spec: str, act_mode: str = "auto") -> Variant:
 
 def load_sentences(path=None, limit: Optional[int] = None) -> List[str]:
     """The demo sentences: one per line of ``path`` (default: the packaged
-    ``jax_fp4/data/sentences.txt``, 1,152 sentences on 72 topics, each with close
-    paraphrases and same-topic neighbours in both halves of :func:`split_sentences`), blank
-    lines skipped, the first ``limit`` of them."""
+    ``jax_fp4/data/sentences.txt``, 1,152 sentences: 72 topics of 16, paraphrase pairs
+    on lines of one parity so that both fall in the same half of :func:`split_sentences`),
+    blank lines skipped, the first ``limit`` of them."""
     if path is None:
         text = (importlib.resources.files("jax_fp4") / "data" / "sentences.txt").read_text(
             encoding="utf-8")
@@ -397,9 +397,7 @@ def run_demo(model_dir=None, variants: Iterable = DEFAULT_VARIANTS, *,
 def _ptq_calibration(enc, sentences, bs, Calibration):
     """GPTQ / AWQ calibration of the demo model: the calibration sentences in batches of
     one shape (the last padded with masked rows), padding tokens masked out."""
-    from ..ptq.bert import sentence_batches
-
-    return Calibration(sentence_batches(enc, sentences, bs), forward=_embed_batch,
+    return Calibration(enc.token_batches(sentences, bs), forward=_embed_batch,
                        mask=lambda b: b[1])
 
 
