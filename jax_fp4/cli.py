@@ -291,7 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--limit", type=int, default=None, metavar="N",
                    help="use only the first N sentences")
     d.add_argument("--sentences", metavar="FILE", default=None,
-                   help="one sentence per line instead of the packaged 240")
+                   help="one sentence per line instead of the packaged 1,152")
     d.add_argument("--batch-size", type=int, default=64)
     d.add_argument("--json", action="store_true", help="print the results as JSON")
     d.add_argument("--no-progress", action="store_true", help="no progress bar")

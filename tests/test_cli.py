@@ -77,6 +77,46 @@ def test_compare_embeddings():
                  "spearman": pytest.approx(1), "top1": 1.0}
     f = e[::-1].copy()
     assert demo.compare_embeddings(f, e)["cos_min"] < 0.9
+    per = demo.compare_embeddings(f, e, per_sentence=True)
+    assert np.mean(per["top1_hits"]) == per["top1"] and len(per["cos"]) == 4
+
+
+def test_paired_bootstrap(rng):
+    a = rng.random(400) < 0.9
+    b = a.copy()
+    b[:20] = ~b[:20]  # 20 sentences flipped: the difference is their net count / 400
+    r = demo.paired_bootstrap(a, b, seed=3)
+    assert r["diff"] == pytest.approx((2 * a[:20].sum() - 20) / 400)
+    assert r["low"] < r["diff"] < r["high"]
+    # a paired difference's interval shrinks with n: 4x the sentences, about half the width
+    r4 = demo.paired_bootstrap(np.tile(a, 4), np.tile(b, 4), seed=3)
+    assert 0.35 < (r4["high"] - r4["low"]) / (r["high"] - r["low"]) < 0.65
+    assert demo.paired_bootstrap(a, a) == {"diff": 0.0, "low": 0.0, "high": 0.0}
+    assert demo.paired_bootstrap(a, b, seed=3) == r
+    with pytest.raises(ValueError, match="a, b"):
+        demo.paired_bootstrap(a, b[:-1])
+    with pytest.raises(ValueError, match="level"):
+        demo.paired_bootstrap(a, b, level=95)
+
+
+def test_best_vs_rtn_picks_by_cosine_not_top1():
+    def row(method, cos, hits, act=None):
+        return {"weights": "nf4", "method": method, "activations": act, "cos_mean": cos,
+                "top1_hits": hits, "cos": [cos] * len(hits)}
+
+    hits = [True] * 8 + [False] * 2
+    rows = [{"variant": "float32", "weights": "float32", "method": None, "activations": None},
+            row("rtn", 0.97, hits), row("mse", 0.975, [True] * 10),
+            row("gptq", 0.99, [False] + hits[1:]), row("gptq", 0.999, hits, "nvfp4")]
+    out = demo.best_vs_rtn({"rows": rows}, resamples=200)
+    # GPTQ has the highest weight-only cosine mean; MSE's better top-1 does not decide
+    assert list(out) == ["nf4"] and out["nf4"]["method"] == "gptq"
+    assert out["nf4"]["diff"] == pytest.approx(-0.1)
+    with pytest.raises(ValueError, match="no RTN row"):
+        demo.best_vs_rtn({"rows": rows[:1] + rows[2:]})
+    with pytest.raises(ValueError, match="per_sentence"):
+        demo.best_vs_rtn({"rows": [{k: v for k, v in r.items() if k != "top1_hits"}
+                                   for r in rows]})
 
 
 def test_parse_variant():

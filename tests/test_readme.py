@@ -63,8 +63,8 @@ def _readme_demo_rows():
 
 def test_readme_demo_table_is_what_the_demo_prints():
     """The quality columns of the README's demo rows float32 and nvfp4:nvfp4 (whose
-    numbers had drifted from the demo's) are the demo's output on all 240 sentences, digit
-    for digit."""
+    numbers had drifted from the demo's) are the demo's output on all the packaged
+    sentences, digit for digit."""
     pytest.importorskip("flax")
     pytest.importorskip("tokenizers")
     from jax_fp4.models import demo, minilm

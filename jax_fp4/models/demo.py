@@ -34,7 +34,7 @@ import numpy as np
 
 __all__ = ["DEFAULT_VARIANTS", "RTN_VARIANTS", "Variant", "parse_variant", "load_sentences", "spearman",
            "rankdata", "compare_embeddings", "run_demo", "format_table", "split_sentences",
-           "PTQ_VARIANTS"]
+           "PTQ_VARIANTS", "paired_bootstrap", "best_vs_rtn"]
 
 #: every 4-bit weight format with the methods beyond round-to-nearest
 PTQ_VARIANTS = tuple(f"{f}@{m}" for f in ("nvfp4", "mxfp4", "nf4", "bnb_fp4", "int4")
@@ -94,8 +94,9 @@ def parse_variant(spec: str, act_mode: str = "auto") -> Variant:
 
 def load_sentences(path=None, limit: Optional[int] = None) -> List[str]:
     """The demo sentences: one per line of ``path`` (default: the packaged
-    ``jax_fp4/data/sentences.txt``, 240 sentences on 24 topics), blank lines skipped, the
-    first ``limit`` of them."""
+    ``jax_fp4/data/sentences.txt``, 1,152 sentences: 72 topics of 16, paraphrase pairs
+    on lines of one parity so that both fall in the same half of :func:`split_sentences`),
+    blank lines skipped, the first ``limit`` of them."""
     if path is None:
         text = (importlib.resources.files("jax_fp4") / "data" / "sentences.txt").read_text(
             encoding="utf-8")
@@ -150,7 +151,9 @@ def compare_embeddings(emb, ref, per_sentence: bool = False) -> dict:
 
     Returns:
       {"cos_mean", "cos_min", "spearman", "top1"} as floats (see the module docstring),
-      and with ``per_sentence`` "cos": each sentence's cosine (list of n floats).
+      and with ``per_sentence`` "cos": each sentence's cosine (list of n floats) and
+      "top1_hits": whether each sentence's nearest other sentence is unchanged (list of n
+      bools; their mean is "top1").
     """
     emb = np.asarray(emb, np.float64)
     ref = np.asarray(ref, np.float64)
@@ -160,11 +163,69 @@ def compare_embeddings(emb, ref, per_sentence: bool = False) -> dict:
     iu = np.triu_indices(n, 1)
     np.fill_diagonal(se, -np.inf)
     np.fill_diagonal(sr, -np.inf)
-    top1 = float(np.mean(se.argmax(1) == sr.argmax(1)))
+    hits = se.argmax(1) == sr.argmax(1)
     out = {"cos_mean": float(cos.mean()), "cos_min": float(cos.min()),
-           "spearman": spearman(se[iu], sr[iu]), "top1": top1}
+           "spearman": spearman(se[iu], sr[iu]), "top1": float(np.mean(hits))}
     if per_sentence:
         out["cos"] = cos.tolist()
+        out["top1_hits"] = hits.tolist()
+    return out
+
+
+def paired_bootstrap(a, b, *, resamples: int = 10_000, level: float = 0.95,
+                     seed: int = 0) -> dict:
+    """Mean of ``a - b`` and its percentile bootstrap interval, resampling sentences.
+
+    ``a`` and ``b`` are per-sentence values of two rows on the same sentences (cosines, or
+    top-1 hits as bools); each resample draws n sentence indices with replacement and
+    takes the mean difference over them, so the interval accounts for the pairing.
+
+    Returns:
+      {"diff": mean(a - b), "low", "high": the (1 - level) / 2 and (1 + level) / 2
+      quantiles of the resampled mean differences}, floats.
+    Raises:
+      ValueError: a and b are not 1-D of one length >= 2, or level is not in (0, 1).
+    """
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if a.ndim != 1 or a.shape != b.shape or len(a) < 2:
+        raise ValueError(f"a, b: expected two 1-D sequences of one length >= 2, got shapes "
+                         f"{a.shape} and {b.shape}")
+    if not 0.0 < level < 1.0:
+        raise ValueError(f"level: expected a probability in (0, 1), got {level}")
+    d = a - b
+    idx = np.random.default_rng(seed).integers(0, len(d), (resamples, len(d)))
+    means = d[idx].mean(1)
+    lo, hi = np.quantile(means, [(1 - level) / 2, (1 + level) / 2])
+    return {"diff": float(d.mean()), "low": float(lo), "high": float(hi)}
+
+
+def best_vs_rtn(result: dict, key: str = "top1_hits", **bootstrap) -> dict:
+    """For each weight format with PTQ rows in ``result`` (a :func:`run_demo` result with
+    ``per_sentence=True``): its best method and the paired bootstrap of best - RTN.
+
+    The best method is chosen without looking at top-1: the weight-only row of the format
+    with the highest held-out cosine mean among the methods other than RTN.
+
+    Args:
+      key: the per-sentence values compared ("top1_hits" or "cos").
+      bootstrap: options of :func:`paired_bootstrap`.
+    Returns:
+      {format: {"method", plus paired_bootstrap's "diff", "low", "high"}}.
+    Raises:
+      ValueError: a format's RTN row is missing, or the rows carry no per-sentence values.
+    """
+    rows = [r for r in result["rows"] if r.get("method") and r["activations"] is None]
+    out = {}
+    for fmt in dict.fromkeys(r["weights"] for r in rows if r["method"] != "rtn"):
+        mine = [r for r in rows if r["weights"] == fmt]
+        rtn = next((r for r in mine if r["method"] == "rtn"), None)
+        if rtn is None:
+            raise ValueError(f"result: {fmt} has PTQ rows but no RTN row to compare with")
+        if key not in rtn:
+            raise ValueError(f"result: rows carry no {key!r}; run_demo(..., per_sentence=True)")
+        best = max((r for r in mine if r["method"] != "rtn"), key=lambda r: r["cos_mean"])
+        out[fmt] = {"method": best["method"],
+                    **paired_bootstrap(best[key], rtn[key], **bootstrap)}
     return out
 
 
@@ -336,15 +397,8 @@ def run_demo(model_dir=None, variants: Iterable = DEFAULT_VARIANTS, *,
 def _ptq_calibration(enc, sentences, bs, Calibration):
     """GPTQ / AWQ calibration of the demo model: the calibration sentences in batches of
     one shape (the last padded with masked rows), padding tokens masked out."""
-    ids, mask = enc.tokenize(sentences)
-    batches = []
-    for s in range(0, len(sentences), bs):
-        bi, bm = ids[s:s + bs], mask[s:s + bs]
-        if bi.shape[0] < bs:
-            pad = np.zeros((bs - bi.shape[0], bi.shape[1]), np.int32)
-            bi, bm = np.concatenate([bi, pad]), np.concatenate([bm, pad])
-        batches.append((bi, bm))
-    return Calibration(batches, forward=_embed_batch, mask=lambda b: b[1])
+    return Calibration(enc.token_batches(sentences, bs), forward=_embed_batch,
+                       mask=lambda b: b[1])
 
 
 def _mb(n):

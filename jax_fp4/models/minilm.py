@@ -315,6 +315,20 @@ class SentenceEncoder:
             mask[i, :n] = 1
         return ids, mask
 
+    def token_batches(self, sentences: Sequence[str], batch_size: int):
+        """[(input_ids, attention_mask), ...]: :meth:`tokenize` of all ``sentences`` in
+        batches of one shape (batch_size, L), the last padded with all-masked rows, so that
+        a jitted calibration pass over them compiles once."""
+        ids, mask = self.tokenize(sentences)
+        out = []
+        for s in range(0, len(ids), batch_size):
+            bi, bm = ids[s:s + batch_size], mask[s:s + batch_size]
+            if bi.shape[0] < batch_size:
+                pad = np.zeros((batch_size - bi.shape[0], bi.shape[1]), np.int32)
+                bi, bm = np.concatenate([bi, pad]), np.concatenate([bm, pad])
+            out.append((bi, bm))
+        return out
+
     def _embed_fn(self, model):
         graphdef, state = nnx.split(model)
         fn = self._fns.get(graphdef)

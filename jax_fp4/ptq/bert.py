@@ -5,25 +5,10 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
-import numpy as np
-
 from .awq import ScaleGroup, bert_groups
 from .calibration import collect_stats
 
-__all__ = ["hf_bert_calibration", "sentence_batches"]
-
-
-def sentence_batches(encoder, sentences, batch_size: int = 32):
-    """Token batches of one shape (the last padded with masked rows) for calibration."""
-    ids, mask = encoder.tokenize(list(sentences))
-    out = []
-    for s in range(0, len(ids), batch_size):
-        bi, bm = ids[s:s + batch_size], mask[s:s + batch_size]
-        if bi.shape[0] < batch_size:
-            pad = np.zeros((batch_size - bi.shape[0], bi.shape[1]), np.int32)
-            bi, bm = np.concatenate([bi, pad]), np.concatenate([bm, pad])
-        out.append((bi, bm))
-    return out
+__all__ = ["hf_bert_calibration"]
 
 
 def _embed(model, batch):
@@ -51,7 +36,7 @@ def hf_bert_calibration(model_dir, text, method: str, act_order: bool = False,
     enc = load_sentence_encoder(model_dir)
     sents = (split_sentences(load_sentences())[0] if text == "default"
              else load_sentences(text))
-    stats = collect_stats(enc.model, sentence_batches(enc, sents), _embed,
+    stats = collect_stats(enc.model, enc.token_batches(sents, 32), _embed,
                           lambda b: b[1], progress=progress)
     names = set(tensor_names or ())
     first = "encoder.layer.0.attention.self.query.weight"
