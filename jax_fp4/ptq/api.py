@@ -66,7 +66,9 @@ def _check_stats(selected, method, stats):
     missing = [p for p in selected if p not in stats]
     if missing and method in ("gptq", "awq+gptq"):
         raise ValueError(f"calibration: no input statistics for {missing[:3]} "
-                         f"({len(missing)} kernel(s)); GPTQ needs every quantized layer's")
+                         f"({len(missing)} kernel(s)); GPTQ needs every quantized layer's: "
+                         "select only the layers the calibration pass reaches (filter= / "
+                         "jax-fp4 quantize --filter REGEX)")
 
 
 def _fold_awq(flat, selected, spec, method, stats, options):
