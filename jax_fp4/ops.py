@@ -23,7 +23,7 @@ from .prims.wmatmul import wmatmul_p
 from .formats import get_format
 from ._rows import _from_rows, _qarray_rows, _row_ts, _to_rows, dequantize_qarray
 from .qarray import QArray
-from .sharding import with_out_sharding
+from .sharding import _axes_size, with_out_sharding
 
 _FLOAT_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 _ROUNDINGS = ("floor", "rceil")
@@ -286,12 +286,7 @@ def _layout_keeps_sharding(data) -> bool:
     spec, mesh = getattr(sharding, "spec", None), getattr(sharding, "mesh", None)
     if not spec or mesh is None:
         return True
-
-    def devices(entry):
-        names = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
-        return math.prod(mesh.shape[n] for n in names)
-
-    split = [devices(e) for e in tuple(spec)[:data.ndim]]
+    split = [1 if e is None else _axes_size(mesh, e) for e in tuple(spec)[:data.ndim]]
     if traced:
         return all(n == 1 for n in split)
     return len(split) < data.ndim or split[data.ndim - 1] == 1
