@@ -371,10 +371,19 @@ def _sharding_rule(name, params_key, mesh, value_types, result_types):
     for dims in layout.ins + layout.outs:
         whole |= {e[0] for e in dims if e is not None and e[1] == 1}
     compound_sizes, replicate, fresh = {}, set(layout.fixed), [0]
+    # A factor that no mesh axis divides (e.g. 4 blocks of K over 8 devices) could only be
+    # split by Shardy over part of an axis (a sub-axis), which custom_partitioning cannot
+    # pass on as a PartitionSpec: its dimensions become unrelated replicated ones, and
+    # the operands are resharded around the call, as _choose leaves them under GSPMD.
+    axis_sizes = tuple(getattr(mesh, "shape", {}).values()) if mesh is not None else ()
+    unsplit = {f for f, n in sizes.items()
+               if axis_sizes and all(n % a for a in axis_sizes if a > 1)}
 
     def mapping(dims, shape):
         out = []
         for entry, n in zip(dims, shape):
+            if entry is not None and entry[0] in unsplit:
+                entry = None
             if entry is None:
                 fresh[0] += 1
                 name_ = f"z{fresh[0]}"

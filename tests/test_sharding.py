@@ -729,3 +729,21 @@ def test_prepare_leaves_a_k_split_weight_linear(fmt):
     q = jf.prepare(jf.quantize(row, fmt, axis=0))
     x = put(_x((16, 1024), 4), P(None, "model"), MESH_1D)
     assert [c[0] for c in collectives(f, x, q)] == ["all-reduce"]
+
+
+def test_k_split_below_one_block_per_device_reshards_instead_of_failing():
+    """K = 512 over 8 devices is 4 INT4 groups of 128 for 8 devices: no whole group each.
+    Shardy would split the 4 groups over part of the mesh axis, which custom_partitioning
+    cannot express (it raised IndivisibleError); the rule keeps such a factor whole, so
+    the op reshards its input and gives the unsharded result."""
+    w = _x((256, 512), 5)
+    sharded = put(w, P(None, "model"), MESH_1D)
+    q = jax.jit(lambda a: jf.quantize(a, "int4"))(sharded)
+    ref = jf.quantize(on_cpu(w), "int4")
+    for a, b in ((q.data, ref.data), (q.scales, ref.scales), (q.zeros, ref.zeros)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # the matmul of a (K = 256, N = 512) weight whose K is split the same way: 2 groups
+    x = put(_x((8, 256), 6), P(None, "model"), MESH_1D)
+    f = jax.jit(lambda x, q: jf.matmul(x, q))
+    _close(f(x, jf.quantize(put(w, P("model", None), MESH_1D), "int4", axis=0)),
+           f(*on_cpu((x, jf.quantize(on_cpu(w), "int4", axis=0)))))
