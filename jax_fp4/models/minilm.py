@@ -317,8 +317,10 @@ class SentenceEncoder:
 
     def token_batches(self, sentences: Sequence[str], batch_size: int):
         """[(input_ids, attention_mask), ...]: :meth:`tokenize` of all ``sentences`` in
-        batches of one shape (batch_size, L), the last padded with all-masked rows, so that
-        a jitted calibration pass over them compiles once."""
+        batches of one shape, two int32 NumPy arrays of (batch_size, L) each (L as
+        :meth:`tokenize` gives it for all the sentences), the last batch padded with
+        all-masked rows (ids 0, mask 0), so that a jitted calibration pass over them
+        compiles once."""
         ids, mask = self.tokenize(sentences)
         out = []
         for s in range(0, len(ids), batch_size):
