@@ -59,7 +59,7 @@ def test_plan_invariants(name):
             assert ln.row0 == row and ln.rows >= 1
             row += ln.rows
             if not gpu.wgmma:  # the mma.sync kernels: below sm_90, on sm_100, without sm_90a
-                assert ln.tile_m == 0 and ln.cluster == 1 and not ln.reduce
+                assert ln.tile_m == 0 and ln.cluster == 1
                 assert ln.kernel == ("direct" if ln.rows <= t.direct_max_m else "staged")
             else:
                 assert ln.kernel == "wgmma" and ln.tile_m in (8, 16, 32, 64, 128, 256)
@@ -68,11 +68,8 @@ def test_plan_invariants(name):
             step = t.geometry[kind][1]
             assert LP.splits_fill_steps(-(-k // step), ln.splits), (name, m, n, k, ln)  # no empty split
             assert ln.cluster in (1, 2) and (ln.cluster == 1 or ln.tile_m == 256)
-            if ln.reduce:  # the K-splits summed in one cluster: tiles of <= 128 rows
-                assert 1 < ln.splits <= t.cluster_max_splits and 0 < ln.tile_m <= 128
-                assert ln.cluster == 1
-            if ln.final:  # the kernel writes y itself: one split or its own sum, y in x's or f32
-                assert ln.splits == 1 or ln.reduce
+            if ln.final:  # the kernel writes y itself: one split, y in x's dtype or f32
+                assert ln.splits == 1
                 assert np.dtype(out) in (np.dtype(x_dtype), np.dtype(np.float32))
         assert row == m
         if len(p.launches) == 2:  # a ragged last 256-row tile

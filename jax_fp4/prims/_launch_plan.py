@@ -45,9 +45,6 @@ class Tuning:
     max_m_wgmma_decode: {(format, decode path, x dtype name): most rows} where a format
       decodes otherwise than its max_m_wgmma entry was measured on.
     max_m_wgmma_tiled: ... for a weight in the prepared layout (no limit).
-    cluster_max_splits: the most K-splits the wgmma kernel sums in one cluster
-      (csrc/cuda/wmatmul/wgmma_config.cuh kWgMaxClusterSplits: the portable cluster
-      size); more take XLA's sum of the float32 partials.
     direct_max_m: most rows of x for the direct mma.sync kernel (the staged one beyond).
     geometry: {kernel: (rows per CTA, k per super-step, resident CTAs per SM, fewest
       super-steps per split)} for "direct", "staged" and the wgmma kernel by tile_m. The
@@ -74,7 +71,6 @@ class Tuning:
                                         ("int4", "table", "bfloat16"): 1024,
                                         ("int4", "table", "float16"): 1024})
     max_m_wgmma_tiled: float = float("inf")
-    cluster_max_splits: int = 8
     direct_max_m: int = 16
     geometry: dict = _frozen({"direct": (128, 256, 4, 1), "staged": (128, 128, 4, 2),
                               8: (128, 128, 2, 12), 16: (128, 128, 2, 12),
@@ -102,8 +98,7 @@ class Launch:
 
     rows: x's rows [row0, row0 + rows) it computes; tile_m: activation rows per CTA of the
     wgmma kernel (0: the mma.sync kernels); splits: K-splits; cluster: CTAs per cluster (2:
-    x multicast); reduce: the kernel sums the K-splits itself (one cluster per tile) and
-    returns one (rows, N) result; final: the kernel writes the output dtype (else float32
+    x multicast); final: the kernel writes the output dtype (one K-split; else float32
     partial sums that XLA adds and casts); bit_path: x in the bit path's pairing (else the
     table path's; wgmma only, :func:`jax_fp4.prims.wmatmul.wmatmul_x_layout`)."""
     row0: int
@@ -111,7 +106,6 @@ class Launch:
     tile_m: int
     splits: int
     cluster: int
-    reduce: bool
     final: bool
     bit_path: bool
 
@@ -322,12 +316,11 @@ def _launches(row0, m, n, k, fmt, x_dtype, out_dtype, decode, tiled, gpu, t):
                 + _launches(row0 + head, m - head, n, k, fmt, x_dtype, out_dtype, decode,
                             tiled, gpu, t))
     cluster = wmatmul_cluster(fmt, m, tile_m, tiled, t)
-    # the kernel sums the K-splits itself (one cluster per tile, wg_reduce_splits in
-    # csrc/cuda/wmatmul/) where its tile allows: one launch, no partial sums in HBM
-    reduce = 1 < splits <= t.cluster_max_splits and 0 < tile_m <= 128 and cluster == 1
-    final = ((splits == 1 or reduce)
-             and np.dtype(out_dtype) in (np.dtype(x_dtype), np.dtype(np.float32)))
-    return (Launch(row0, m, tile_m, splits, cluster, reduce, final,
+    # K-splits leave float32 partials that XLA sums: summing them in the kernel, the
+    # splits of a tile as one thread-block cluster, was slower on every shape measured
+    # (clusters are placed per GPC and wait for their slowest split; benchmarks/log/NOTES.md)
+    final = splits == 1 and np.dtype(out_dtype) in (np.dtype(x_dtype), np.dtype(np.float32))
+    return (Launch(row0, m, tile_m, splits, cluster, final,
                    bool(tile_m) and decode != "table"),)
 
 

@@ -142,8 +142,8 @@ def fused_wmatmul_applies(avals_in, params, gpu=None):
 def _wmatmul_fused(x, codes, scales, zeros, ts, *, fmt, block_size, two_level, out_dtype,
                    precision, tiled, impl, gpu=None):
     """The fused kernel's launches of the plan: each writes y's rows in x's dtype (or
-    float32) itself where it has one K-split or sums its splits in a cluster, else leaves
-    float32 partial sums that XLA adds and casts. A prepared weight the planned kernel
+    float32) itself where it has one K-split, else leaves float32 partial sums that XLA
+    adds and casts. A prepared weight the planned kernel
     does not read is restored to the linear layout first."""
     gpu = gpu or _gpu.gpu_props()
     params = dict(fmt=fmt, block_size=block_size, two_level=two_level, out_dtype=out_dtype,
@@ -158,7 +158,7 @@ def _wmatmul_fused(x, codes, scales, zeros, ts, *, fmt, block_size, two_level, o
             xs = wmatmul_x_layout(xs, ln.bit_path, ln.tile_m)
         part = jax.ffi.ffi_call(
             _FUSED_TARGET,
-            jax.ShapeDtypeStruct((1 if ln.reduce else ln.splits, ln.rows, n),
+            jax.ShapeDtypeStruct((ln.splits, ln.rows, n),
                                  out_dtype if ln.final else jnp.float32))(
             xs, codes, scales, zeros, ts, **_attrs(fmt, block_size, two_level=two_level),
             splits=np.int64(ln.splits), tile_m=np.int64(ln.tile_m),

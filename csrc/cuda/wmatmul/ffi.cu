@@ -108,22 +108,13 @@ ffi::Error WMatmulImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer cod
     return invalid(where, "attribute `splits` = " + std::to_string(splits) +
                               " must be in [1, min(65535, ceil(K / " + std::to_string(step) +
                               "))]");
-  // out (1, M, N) with splits > 1: the wgmma kernel sums the K-splits of a tile in their
-  // cluster (wg_reduce_splits); else (splits, M, N), one partial per split
-  const bool split_reduce = splits > 1 && out->dimensions().size() == 3 && out->dimensions()[0] == 1;
-  if (split_reduce && (tile_m == 0 || tile_m > 128 || splits > kWgMaxClusterSplits || cluster != 1))
-    return invalid(where, "result `out` of shape (1, M, N) with `splits` = " + std::to_string(splits) +
-                              " (the K-splits summed in the kernel) needs the wgmma kernel with "
-                              "tile_m <= 128, splits <= " + std::to_string(kWgMaxClusterSplits) +
-                              " and cluster = 1, got tile_m = " + std::to_string(tile_m) +
-                              ", cluster = " + std::to_string(cluster));
-  if (splits == 1 || split_reduce)
+  if (splits == 1)
     JF4_RETURN_IF_ERROR(check_dtype(where, "out", out->element_type(),
                                     {ffi::DataType::F32, x.element_type()}));
   else
     JF4_RETURN_IF_ERROR(check_dtype(where, "out", out->element_type(), {ffi::DataType::F32}));
   JF4_RETURN_IF_ERROR(check_shape(where, "out", out->dimensions(),
-                                  {split_reduce ? 1 : splits, M, p.R}));
+                                  {splits, M, p.R}));
   if (M == 0 || p.R == 0) return ffi::Error::Success();
   if (K == 0) {
     const cudaError_t e = cudaMemsetAsync(out->untyped_data(), 0, out->size_bytes(), stream);
@@ -150,7 +141,6 @@ ffi::Error WMatmulImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer cod
   w.stage_codes = 0;  // launch_wgmma decides
   w.tiled = tiled;
   w.cluster = static_cast<int>(cluster);
-  w.split_reduce = split_reduce ? 1 : 0;
   const cudaError_t e = launch_wmatmul(
       fmt, x.element_type() == ffi::DataType::BF16, stream,
       static_cast<const uint16_t*>(x.untyped_data()), static_cast<const uint8_t*>(codes.untyped_data()),

@@ -148,9 +148,9 @@ cudaError_t launch_wgmma(cudaStream_t stream, const uint16_t* xp, const uint8_t*
   cluster.id = cudaLaunchAttributeClusterDimension;
   cluster.val.clusterDim.x = cluster_ctas;
   cluster.val.clusterDim.y = 1;
-  cluster.val.clusterDim.z = p.split_reduce ? splits : 1;  // the K-splits of a tile (wg_reduce_splits)
+  cluster.val.clusterDim.z = 1;
   cfg.attrs = &cluster;
-  cfg.numAttrs = cluster_ctas > 1 || p.split_reduce ? 1 : 0;
+  cfg.numAttrs = cluster_ctas > 1 ? 1 : 0;
   return cudaLaunchKernelEx(&cfg, kernel, x_map, w_map, s_map, z_map, cp, sp, zp, tp, out, q);
 }
 

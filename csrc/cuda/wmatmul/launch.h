@@ -64,8 +64,6 @@ constexpr int kWgStepK = 128;  // k per step
 // a step's scales and zero points at most (int4 / nf4 / bnb_fp4; jax_fp4.layout.tileable):
 // int4 in groups of 128 with 2-byte scales take 384 bytes, nf4 in blocks of 64 1 KB
 constexpr int kWgTiledSide = 2048;
-// The most K-splits summed in one cluster: the portable cluster size (wg_reduce_splits).
-constexpr int kWgMaxClusterSplits = 8;
 
 struct WParams {
   int64_t M, N, K;
@@ -87,8 +85,6 @@ struct WParams {
   int tile_srow;           // prepared layout: scale bytes per row and 128-k step, and INT4's
   int tile_zrow;           // zero-point bytes (launch_wgmma; wg_tile_scale_row)
   int cluster;             // wgmma kernel at BN = 256: CTAs per cluster, 1 or 2 (x multicast)
-  int split_reduce;        // wgmma kernel: the K-splits of a tile form one cluster along z and
-                           // sum their partials in it (launch_wgmma); else one output per split
 };
 
 // The decode paths a format has (use_bit_path; described above decode_word).

@@ -286,56 +286,6 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
   } while (!done);
 }
 
-// The K-splits of one output tile run as one cluster along grid z (launch_wgmma: cluster
-// dims (1, 1, splits), splits <= 8, never with x multicast), each CTA's float32 partial in
-// its shared memory `tile` (kOutStride floats per activation row). After a cluster barrier
-// CTA r sums every split's value of its share of the tile's outputs, in split order (the
-// result does not depend on scheduling), and stores them; a second barrier keeps every
-// CTA's shared memory alive until the others have read it. One launch, no workspace and
-// no partial sums in HBM. Only the consumer threads arrive: the producer warpgroup has
-// exited, and barrier.cluster waits for the non-exited threads (PTX ISA, barrier.cluster).
-template <bool BF16, int BN>
-__device__ __forceinline__ void wg_reduce_splits(const float* tile, void* out, int m0,
-                                                 int64_t n_cta, int tid, const WParams& p) {
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-  uint32_t rank, nranks;
-  asm("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
-  asm("mov.u32 %0, %%cluster_nctarank;\n" : "=r"(nranks));
-  const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(tile));
-  uint32_t peer[kWgMaxClusterSplits];
-#pragma unroll
-  for (int q = 0; q < kWgMaxClusterSplits; ++q)
-    if (q < static_cast<int>(nranks))
-      asm("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(peer[q]) : "r"(base), "r"(q));
-  const bool vec = p.N % 4 == 0 && (reinterpret_cast<uintptr_t>(out) & 15u) == 0;
-  const int per = vec ? 4 : 1;  // outputs per thread and store, as the plain epilogue
-  for (int idx = tid + static_cast<int>(rank) * kWgThreads; idx < BN * kWgRows / per;
-       idx += static_cast<int>(nranks) * kWgThreads) {
-    const int m = idx / (kWgRows / per), n = per * (idx % (kWgRows / per));
-    if (m0 + m >= p.M || n_cta + n >= p.N) continue;
-    const uint32_t off = 4u * static_cast<uint32_t>(m * kOutStride + n);
-    float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-    for (int q = 0; q < kWgMaxClusterSplits; ++q) {
-      if (q >= static_cast<int>(nranks)) break;
-      if (vec) {
-        float4 w;
-        asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
-                     : "=f"(w.x), "=f"(w.y), "=f"(w.z), "=f"(w.w) : "r"(peer[q] + off));
-        v.x += w.x, v.y += w.y, v.z += w.z, v.w += w.w;
-      } else {
-        float w;
-        asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(w) : "r"(peer[q] + off));
-        v.x += w;
-      }
-    }
-    const int64_t o = (m0 + m) * p.N + n_cta + n;
-    if (vec) store_out4<BF16>(out, o, v, p);
-    else store_out<BF16>(out, o, v.x, p);
-  }
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-
 }  // namespace
 }  // namespace cuda
 }  // namespace jf4

@@ -408,10 +408,6 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
       for (int e = 0; e < 2; ++e)
         tile[(8 * j + 2 * t + e) * kOutStride + wrow + 8 * h] = acc[4 * j + 2 * h + e] * scale * tsv[0][h];
   consumer_sync();
-  if (p.split_reduce) {  // the cluster's K-splits sum their tiles (wg_reduce_splits)
-    wg_reduce_splits<BF16, BN>(tile, out, m0, n_cta, tid, p);
-    return;
-  }
   const int64_t z_off = static_cast<int64_t>(blockIdx.z) * p.M * p.N;
   if (p.N % 4 == 0 && (reinterpret_cast<uintptr_t>(out) & 15u) == 0) {
     // four outputs per lane and store: a warp reads 512 contiguous bytes of a tile row
