@@ -454,9 +454,10 @@ def main(argv=None):
         jf.get_format(f)  # unknown names fail before any work
     cfg, rows = run(args)
     dev = jax.devices()[0]
+    flags = os.environ.get("XLA_FLAGS", "")  # part of the command: they change the step's graph
     head = (f"### bench_model.py, {datetime.date.today()}, {getattr(dev, 'device_kind', dev.platform)}"
             f" x{max(n for _, n in layouts(args))}, jax {jax.__version__}"
-            f"\n\n`python3 benchmarks/bench_model.py "
+            f"\n\n`{f'XLA_FLAGS={flags} ' if flags else ''}python3 benchmarks/bench_model.py "
             + " ".join(argv if argv is not None else sys.argv[1:]) + "`\n\n")
     text = head + table(cfg, rows)
     print(text)
