@@ -23,6 +23,17 @@ def test_bench_model_tiny_runs(tmp_path):
     assert "| M | bf16 | int4 |" in text and "bench_model.py" in text
 
 
+def test_bench_model_heading_carries_xla_flags(tmp_path, monkeypatch):
+    # XLA_FLAGS change the step's graph (docs/benchmarks.md): a result must say which it ran
+    # with. (Read when the results are written, after the backend started: no effect here.)
+    out = tmp_path / "RESULTS.md"
+    flags = "--xla_gpu_command_buffer_scheduling_mode=CONCURRENT"
+    monkeypatch.setenv("XLA_FLAGS", flags)
+    bench_model.main(["--tiny", "--ms", "1", "--iters", "1", "--formats", "int4",
+                      "--no-kernel-sum", "--results", str(out)])
+    assert f"`XLA_FLAGS={flags} python3 benchmarks/bench_model.py --tiny" in out.read_text()
+
+
 def test_decoder_step_quantized_close_to_bf16():
     cfg = bench_model.TINY
     params = bench_model.init_params(cfg, jax.random.key(0))
