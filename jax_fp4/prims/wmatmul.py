@@ -143,8 +143,8 @@ def _wmatmul_fused(x, codes, scales, zeros, ts, *, fmt, block_size, two_level, o
                    precision, tiled, impl, gpu=None):
     """The fused kernel's launches of the plan: each writes y's rows in x's dtype (or
     float32) itself where it has one K-split, else leaves float32 partial sums that XLA
-    adds and casts. A prepared weight the planned kernel
-    does not read is restored to the linear layout first."""
+    adds and casts. A prepared weight the planned kernel does not read is restored to the
+    linear layout first."""
     gpu = gpu or _gpu.gpu_props()
     params = dict(fmt=fmt, block_size=block_size, two_level=two_level, out_dtype=out_dtype,
                   tiled=tiled)
