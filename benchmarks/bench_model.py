@@ -143,21 +143,31 @@ def rope(x, pos, theta=500000.0):
 def attention(cfg: Config, q, k_new, v_new, k_cache, v_cache):
     """GQA over the cache and the new tokens (causal among the new ones), the cache read
     in place (no concatenated copy). q (B, T, H, D); k_new, v_new (B, T, G, D); caches
-    (B, G, S, D). Returns (B, T, H * D)."""
+    (B, G, S, D). Returns (B, T, H * D).
+
+    The softmax spans both parts through their common maximum and sum, as a split-KV
+    (flash-decoding) attention merges its parts: concatenating the two score arrays
+    instead lets XLA fuse the new tokens' scores and RoPE into the concatenation, a
+    fusion slower than the cache's score GEMM (benchmarks/RESULTS.md, section W)."""
     b, t = q.shape[:2]
     g, r = cfg.kv_heads, cfg.heads // cfg.kv_heads
     q = q.reshape(b, t, g, r, cfg.head_dim)
     scale = 1.0 / np.sqrt(cfg.head_dim)
     # float32 scores and sums (XLA's CPU dot has no bf16 x bf16 -> float32: there, bf16)
     acc = None if jax.default_backend() == "cpu" else jnp.float32
-    s_cache = jnp.einsum("btgrd,bgsd->bgrts", q, k_cache, preferred_element_type=acc)
-    s_new = jnp.einsum("btgrd,bugd->bgrtu", q, k_new, preferred_element_type=acc)
+    s_cache = jnp.einsum("btgrd,bgsd->bgrts", q, k_cache,
+                         preferred_element_type=acc).astype(jnp.float32) * scale
+    s_new = jnp.einsum("btgrd,bugd->bgrtu", q, k_new,
+                       preferred_element_type=acc).astype(jnp.float32) * scale
     causal = jnp.arange(t)[None, :] <= jnp.arange(t)[:, None]
-    s = jnp.concatenate([s_cache, jnp.where(causal, s_new, -jnp.inf)], axis=-1).astype(jnp.float32) * scale
-    p = jax.nn.softmax(s, axis=-1).astype(q.dtype)
-    ctx_len = k_cache.shape[2]
-    o = (jnp.einsum("bgrts,bgsd->btgrd", p[..., :ctx_len], v_cache, preferred_element_type=acc)
-         + jnp.einsum("bgrtu,bugd->btgrd", p[..., ctx_len:], v_new, preferred_element_type=acc))
+    s_new = jnp.where(causal, s_new, -jnp.inf)
+    s_max = jnp.maximum(s_cache.max(-1, keepdims=True), s_new.max(-1, keepdims=True))
+    e_cache, e_new = jnp.exp(s_cache - s_max), jnp.exp(s_new - s_max)
+    total = e_cache.sum(-1, keepdims=True) + e_new.sum(-1, keepdims=True)
+    o = (jnp.einsum("bgrts,bgsd->btgrd", (e_cache / total).astype(q.dtype), v_cache,
+                    preferred_element_type=acc)
+         + jnp.einsum("bgrtu,bugd->btgrd", (e_new / total).astype(q.dtype), v_new,
+                      preferred_element_type=acc))
     return o.astype(q.dtype).reshape(b, t, cfg.heads * cfg.head_dim)
 
 

@@ -51,6 +51,26 @@ def test_decoder_step_quantized_close_to_bf16():
     assert np.isfinite(got).all() and rel < 0.3, rel
 
 
+def test_attention_is_softmax_over_cache_and_new_tokens():
+    # the two-part softmax against one softmax over the concatenated keys (float32, CPU):
+    # new token i sees the whole cache and new tokens 0..i
+    cfg = bench_model.TINY
+    b, t, s, d = 3, 4, cfg.context, cfg.head_dim
+    k = jax.random.split(jax.random.key(3), 5)
+    q = jax.random.normal(k[0], (b, t, cfg.heads, d))
+    k_new, v_new = (jax.random.normal(kk, (b, t, cfg.kv_heads, d)) for kk in k[1:3])
+    k_cache, v_cache = (jax.random.normal(kk, (b, cfg.kv_heads, s, d)) for kk in k[3:5])
+    got = bench_model.attention(cfg, q, k_new, v_new, k_cache, v_cache)
+    r = cfg.heads // cfg.kv_heads
+    keys = jnp.repeat(jnp.concatenate([k_cache, k_new.transpose(0, 2, 1, 3)], 2), r, 1)
+    vals = jnp.repeat(jnp.concatenate([v_cache, v_new.transpose(0, 2, 1, 3)], 2), r, 1)
+    scores = jnp.einsum("bthd,bhsd->bhts", q, keys) / np.sqrt(d)
+    visible = jnp.arange(s + t)[None, :] <= s + jnp.arange(t)[:, None]
+    p = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1)
+    want = jnp.einsum("bhts,bhsd->bthd", p, vals).reshape(b, t, -1)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
 def test_bench_model_one_and_two_devices_in_one_run(tmp_path):
     # --tp 1 2 --fsdp 2: every layout measured in the same run, each with its collectives
     out = tmp_path / "RESULTS.md"
