@@ -6,6 +6,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import jax_fp4 as jf
 
@@ -51,6 +52,40 @@ def test_decoder_step_quantized_close_to_bf16():
     assert np.isfinite(got).all() and rel < 0.3, rel
 
 
+def test_fused_projections_is_the_same_model():
+    # --fused: q / k / v and gate / up concatenated into one kernel each; the step must
+    # compute the same function (bf16: the same dots over the same columns)
+    cfg = bench_model.TINY
+    params = bench_model.init_params(cfg, jax.random.key(0))
+    fused = bench_model.fuse_projections(params)
+    layer = fused["layers"][0]
+    assert {"wq", "wk", "wv", "w_gate", "w_up"}.isdisjoint(layer)
+    assert layer["wqkv"]["kernel"].shape == (cfg.hidden, (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim)
+    assert layer["w_gate_up"]["kernel"].shape == (cfg.hidden, 2 * cfg.ffn)
+    b, t = cfg.batch(8)
+    cache = bench_model.init_cache(cfg, b, jax.random.key(1))
+    x = jax.random.normal(jax.random.key(2), (b, t, cfg.hidden), jnp.bfloat16)
+    step = jax.jit(lambda p, c, x: bench_model.step(cfg, p, c, x))
+    ref = np.asarray(step(params, cache, x), np.float32)
+    got = np.asarray(step(fused, cache, x), np.float32)
+    # bf16 outputs of differently tiled dots differ by an ulp here and there (~0.4%); a
+    # wrong split of the fused outputs moves the result by ~100%
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 2e-2
+    # and a fused 4-bit model runs through jax_fp4's matmul
+    q = bench_model.quantized(fused, "int4")
+    assert isinstance(q["layers"][0]["wqkv"]["kernel"], jf.QArray)
+    got = np.asarray(step(q, cache, x), np.float32)
+    assert np.isfinite(got).all()
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 0.3
+
+
+def test_bench_model_fused_rejects_several_devices(capsys):
+    with pytest.raises(SystemExit) as e:
+        bench_model.main(["--tiny", "--fused", "--tp", "1", "2", "--no-append"])
+    assert e.value.code == 2
+    assert "--fused runs on one device: got --tp [1, 2]" in capsys.readouterr().err
+
+
 def test_attention_is_softmax_over_cache_and_new_tokens():
     # the two-part softmax against one softmax over the concatenated keys (float32, CPU):
     # new token i sees the whole cache and new tokens 0..i
@@ -71,6 +106,8 @@ def test_attention_is_softmax_over_cache_and_new_tokens():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(len(jax.devices()) < 2, reason="needs two devices of the default backend "
+                    "(CI's CPU run has 8, tests/conftest.py; a one-GPU machine has one)")
 def test_bench_model_one_and_two_devices_in_one_run(tmp_path):
     # --tp 1 2 --fsdp 2: every layout measured in the same run, each with its collectives
     out = tmp_path / "RESULTS.md"
