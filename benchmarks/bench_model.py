@@ -114,18 +114,32 @@ def init_params(cfg: Config, key):
     return {"layers": layers, "norm": jnp.ones((cfg.hidden,), jnp.bfloat16)}
 
 
+# --fused: each fused kernel and the kernels it concatenates along the output features
+FUSED = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
+
+
 def fuse_projections(params):
-    """The same model with q / k / v and gate / up each one kernel, concatenated along the
-    output features ([q | k | v], [gate | up]): one matmul where the unfused layer has
-    three / two on the same input."""
+    """The same model with each group of FUSED one kernel: params as init_params gives
+    them; returns the tree with, per layer, "wqkv" (hidden, (H + 2 G) D) = [q | k | v] and
+    "w_gate_up" (hidden, 2 MLP) = [gate | up] in place of their parts (bf16 kernels, the
+    Flax (in, out) layout)."""
     def fuse(layer):
-        out = {k: v for k, v in layer.items() if k not in ("wq", "wk", "wv", "w_gate", "w_up")}
-        cat = lambda *names: {"kernel": jnp.concatenate([layer[n]["kernel"] for n in names], 1)}
-        out["wqkv"] = cat("wq", "wk", "wv")
-        out["w_gate_up"] = cat("w_gate", "w_up")
+        parts = {n for names in FUSED.values() for n in names}
+        out = {k: v for k, v in layer.items() if k not in parts}
+        for name, names in FUSED.items():
+            out[name] = {"kernel": jnp.concatenate([layer[n]["kernel"] for n in names], 1)}
         return out
 
     return {"layers": [fuse(layer) for layer in params["layers"]], "norm": params["norm"]}
+
+
+def project(h, layer, fused, widths):
+    """The projections FUSED[fused] of h (M, hidden), as a list of (M, width) arrays: one
+    matmul and a split where the layer holds the fused kernel, else one matmul each."""
+    if fused in layer:
+        return jnp.split(dense(h, layer[fused]["kernel"]), np.cumsum(widths)[:-1].tolist(),
+                         axis=-1)
+    return [dense(h, layer[n]["kernel"]) for n in FUSED[fused]]
 
 
 def init_cache(cfg: Config, b, key):
@@ -198,21 +212,15 @@ def step(cfg: Config, params, cache, x):
     pos = cfg.context + jnp.arange(t, dtype=jnp.float32)
     for i, layer in enumerate(params["layers"]):
         h = rms_norm(x, layer["attn_norm"])
-        if "wqkv" in layer:  # fuse_projections
-            qd, kd = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-            q, k, v = jnp.split(dense(h, layer["wqkv"]["kernel"]), [qd, qd + kd], axis=-1)
-        else:
-            q, k, v = (dense(h, layer[n]["kernel"]) for n in ("wq", "wk", "wv"))
+        qd, kd = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+        q, k, v = project(h, layer, "wqkv", (qd, kd, kd))
         q = q.reshape(b, t, cfg.heads, cfg.head_dim)
         k = k.reshape(b, t, cfg.kv_heads, cfg.head_dim)
         v = v.reshape(b, t, cfg.kv_heads, cfg.head_dim)
         o = attention(cfg, rope(q, pos), rope(k, pos), v, *cache[i])
         x = x + dense(o.reshape(b * t, -1), layer["wo"]["kernel"])
         h = rms_norm(x, layer["mlp_norm"])
-        if "w_gate_up" in layer:
-            gate, up = jnp.split(dense(h, layer["w_gate_up"]["kernel"]), 2, axis=-1)
-        else:
-            gate, up = (dense(h, layer[n]["kernel"]) for n in ("w_gate", "w_up"))
+        gate, up = project(h, layer, "w_gate_up", (cfg.ffn, cfg.ffn))
         x = x + dense((jax.nn.silu(gate.astype(jnp.float32)) * up).astype(h.dtype),
                       layer["w_down"]["kernel"])
     # Llama's final RMSNorm (before the LM head, not modelled): it also keeps a decode
