@@ -86,7 +86,10 @@ class Config:
 # Llama-3-70B's layer shapes (`--model 70b`): tensor parallelism's test case, whose matmuls
 # per device outweigh an all-reduce's latency where the 8B's do not
 LLAMA3_70B = Config(hidden=8192, heads=64, kv_heads=8, head_dim=128, ffn=28672)
-TINY = Config(hidden=256, heads=4, kv_heads=2, head_dim=64, ffn=512, layers=2, context=64,
+# The smoke-test model: GQA like Llama's, and every kernel's output at least 256 wide, so
+# that tensor parallelism over 2 devices splits even the K / V projections into whole
+# 128-row tiles of a prepared weight (narrower ones are gathered on GPUs)
+TINY = Config(hidden=512, heads=8, kv_heads=4, head_dim=64, ffn=1024, layers=2, context=64,
               max_batch=4)
 
 # Megatron tensor parallelism: which axis of each (in, out) kernel is split over "tp"
@@ -315,6 +318,8 @@ def kernel_sum(fn, args):
 # asynchronous collectives), the collective and its phase
 _COLLECTIVE = re.compile(r"= (.+?) (all-reduce|all-gather|reduce-scatter|all-to-all|"
                          r"collective-permute)(-start|-done)?\(")
+# jax-fp4's in-graph all-reduce of row-parallel partial sums (jax_fp4.prims.all_reduce)
+_IN_GRAPH = re.compile(r"= (.+?) custom-call\(.*custom_call_target=\"jax_fp4_all_reduce_v1\"")
 
 
 def _nbytes(shapes):
@@ -338,7 +343,10 @@ def collectives_in(text):
     """collectives() of a compiled module's HLO text."""
     seen = {}  # kind: [plain count, plain bytes, starts, done bytes]
     found = (_COLLECTIVE.search(line) for line in text.splitlines())
-    for shapes, kind, phase in (f.groups() for f in found if f):
+    in_graph = (_IN_GRAPH.search(line) for line in text.splitlines())
+    found = [f.groups() for f in found if f] + [(f.group(1), "in-graph all-reduce", "")
+                                                 for f in in_graph if f]
+    for shapes, kind, phase in found:
         c = seen.setdefault(kind, [0, 0, 0, 0])
         if not phase:
             c[0] += 1

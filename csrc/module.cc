@@ -4,10 +4,15 @@
 //   format_table()  -> [{"fid", "name", "bits", "mx", "codebook", "values"}, ...]: the format
 //                      ids and element decodes of codecs.h, which jax_fp4/_ext.py checks
 //                      against jax_fp4/formats.py at load
+//   all_reduce_setup(groups, max_elements) -> channel id (CUDA builds only): the buffers of
+//                      one in-graph all-reduce call site (csrc/cuda/collective/all_reduce.cu)
 // jax_fp4/_ext.py registers the capsules with jax.ffi.register_ffi_target.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/vector.h>
 
+#include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "codecs.h"
 #include "cpu/handlers.h"
@@ -119,6 +124,16 @@ nb::list format_table() {
   return table;
 }
 
+#ifdef JAX_FP4_WITH_CUDA
+// 0: some pair of the GPUs has no peer access (the caller keeps XLA's all-reduce).
+int64_t all_reduce_setup(const std::vector<std::vector<int>>& groups, int64_t max_elements) {
+  std::string error;
+  const int64_t id = jf4::cuda::AllReduceSetup(groups, max_elements, &error);
+  if (!error.empty()) throw std::runtime_error(error);
+  return id;
+}
+#endif
+
 }  // namespace
 
 NB_MODULE(_native, m) {
@@ -128,4 +143,9 @@ NB_MODULE(_native, m) {
   m.def("build_info", &build_info, "Build configuration of the extension.");
   m.def("format_table", &format_table,
         "The format ids, element bits, families and element code values of codecs.h.");
+#ifdef JAX_FP4_WITH_CUDA
+  m.def("all_reduce_setup", &all_reduce_setup, nb::arg("groups"), nb::arg("max_elements"),
+        "Buffers of one in-graph all-reduce call site on every GPU of `groups` (CUDA device "
+        "ordinals, each group in rank order): its channel id, or 0 without peer access.");
+#endif
 }

@@ -18,7 +18,7 @@ import threading
 from typing import Any
 
 __all__ = ["has_kernels", "registered_targets", "build_info", "load_error",
-           "format_table_problems"]
+           "format_table_problems", "all_reduce_setup"]
 
 _NATIVE_MODULE = "jax_fp4._native"
 _PLATFORM_NAMES = {"cpu": "cpu", "host": "cpu", "cuda": "CUDA", "gpu": "CUDA"}
@@ -142,3 +142,19 @@ def load_error() -> str | None:
     """Why the extension (or some target) is unavailable; None when all is well."""
     _load()
     return _error
+
+
+def all_reduce_setup(groups, max_elements: int) -> int:
+    """The buffers of one in-graph all-reduce call site (target ``jax_fp4_all_reduce_v1``,
+    csrc/cuda/collective/all_reduce.cu) on every GPU of ``groups`` (lists of CUDA device
+    ordinals, each in rank order), for messages of up to ``max_elements`` float32 values.
+
+    Returns the call site's channel id (> 0), or 0 where the extension has no CUDA
+    all-reduce or some pair of the GPUs has no peer access. Raises RuntimeError naming the
+    CUDA error where an allocation fails."""
+    if not has_kernels("cuda", "jax_fp4_all_reduce_v1"):
+        return 0
+    import importlib
+
+    native = importlib.import_module(_NATIVE_MODULE)
+    return int(native.all_reduce_setup([list(map(int, g)) for g in groups], int(max_elements)))

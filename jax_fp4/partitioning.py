@@ -14,7 +14,9 @@ partitioner calls :func:`_partition` with the operands' shardings: it picks the
 shardings the op supports without communication, and the per-shard body runs
 ``p_local`` -- the same kernel -- on each device's block, plus, where a contracted or
 reduced axis is sharded, one collective on the result (``psum`` of float32 partial sums,
-``pmax`` of an amax). ``p``'s batching rule, JVP and transpose are untouched: they bind
+``pmax`` of an amax). On the GPUs of one process the ``psum`` of partial sums is jax-fp4's
+in-graph all-reduce (:mod:`jax_fp4.prims.all_reduce`), which stays inside XLA's command
+buffer. ``p``'s batching rule, JVP and transpose are untouched: they bind
 ``p`` (or other primitives), which partition in turn; ``jax.export`` of a one-device
 function lowers as before.
 
@@ -84,6 +86,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from . import reference
 from .formats import get_format
+from .prims import all_reduce
 
 __all__ = ["shard_local", "register"]
 
@@ -206,17 +209,22 @@ def _amax_bits(x):
     return jnp.max(reference.to_f32_bits(x) & jnp.uint32(0x7FFFFFFF), initial=jnp.uint32(0))
 
 
-def _combine(y, axes, scatter):
-    """The sum of the float32 partials ``y`` over mesh ``axes``: a ``psum_scatter`` on each
-    output dimension of ``scatter`` ({dim: axes}, the result asked split there) -- each
-    device receives only its slice of the sum -- and a ``psum`` over the other axes."""
+def _combine(y, axes, scatter, mesh, out_dtype):
+    """The sum of the float32 partials ``y`` over mesh ``axes``, in ``out_dtype``: a
+    ``psum_scatter`` on each output dimension of ``scatter`` ({dim: axes}, the result
+    asked split there) -- each device receives only its slice of the sum -- and a sum over
+    the other axes: on the GPUs of one process the in-graph all-reduce
+    (:func:`jax_fp4.prims.all_reduce.in_graph_sum`, which also casts), else ``psum``."""
     for d, sa in scatter.items():
         y = lax.psum_scatter(y, sa, scatter_dimension=d, tiled=True)
     rest = tuple(a for a in axes if not any(a in sa for sa in scatter.values()))
-    return lax.psum(y, rest) if rest else y
+    if rest:
+        s = all_reduce.in_graph_sum(y, mesh, rest, out_dtype)
+        y = s if s is not None else lax.psum(y, rest)
+    return y.astype(out_dtype)
 
 
-def _body(name, local, params, args, axes, scatter):
+def _body(name, local, params, args, axes, scatter, mesh):
     """The per-shard computation: ``local`` on this device's blocks, and where ``axes``
     (mesh axes of the reduced factors) is not empty, the op's combination of partials
     (:func:`_combine`; ``scatter``: output dimensions reduce-scattered)."""
@@ -228,7 +236,7 @@ def _body(name, local, params, args, axes, scatter):
     out_dtype = params["out_dtype"]
     if name == "jax_fp4_weight_matmul":
         y = local.bind(*args, **dict(params, out_dtype=np.dtype(np.float32)))
-        return _combine(y, axes, scatter).astype(out_dtype)
+        return _combine(y, axes, scatter, mesh, out_dtype)
     if name == "jax_fp4_scaled_matmul":
         # the bias is added once, to the sum; with N scattered it arrives as this
         # device's slice (:func:`_partition`)
@@ -236,7 +244,7 @@ def _body(name, local, params, args, axes, scatter):
         n = ops[3].shape[0]
         y = local.bind(*ops, jnp.zeros((n,), bias.dtype),
                        **dict(params, out_dtype=np.dtype(np.float32)))
-        return (_combine(y, axes, scatter) + bias[None, :]).astype(out_dtype)
+        return (_combine(y, axes, scatter, mesh, np.float32) + bias[None, :]).astype(out_dtype)
     raise AssertionError(f"{name}: no reduced factors")
 
 
@@ -356,7 +364,7 @@ def _partition(name, local, params_key, mesh, arg_shapes, result_shape):
             arg_sh[-1] = NamedSharding(mesh, P(_spec_entry(scatter[1])))
 
     def body(*args):
-        return _body(name, local, params, args, axes, scatter)
+        return _body(name, local, params, args, axes, scatter, mesh)
 
     return mesh, body, _pack(result_shape, out_sh), tuple(arg_sh)
 

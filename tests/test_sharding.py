@@ -747,3 +747,24 @@ def test_k_split_below_one_block_per_device_reshards_instead_of_failing():
     f = jax.jit(lambda x, q: jf.matmul(x, q))
     _close(f(x, jf.quantize(put(w, P("model", None), MESH_1D), "int4", axis=0)),
            f(*on_cpu((x, jf.quantize(on_cpu(w), "int4", axis=0)))))
+
+
+def test_in_graph_all_reduce_groups_and_where_it_does_not_apply():
+    # the groups that sum together over some axes of a 2 x 4 mesh, in rank order
+    from jax_fp4.prims import all_reduce
+
+    devs = np.array(jax.devices("cpu")[:8]).reshape(2, 4)
+    mesh = Mesh(devs, ("data", "model"))
+    ids = lambda groups: [[d.id for d in g] for g in groups]  # noqa: E731
+    assert ids(all_reduce.device_groups(mesh, ("model",))) == [[d.id for d in r] for r in devs]
+    assert ids(all_reduce.device_groups(mesh, ("data",))) == [[d.id for d in c] for c in devs.T]
+    assert ids(all_reduce.device_groups(mesh, ("data", "model"))) == [[d.id for d in devs.flat]]
+    assert ids(all_reduce.device_groups(mesh, ("model", "data"))) == [
+        [d.id for d in devs.T.flat]]
+    # CPU devices, a message past MAX_ELEMENTS, a non-float32 partial: XLA's psum (None)
+    y = jnp.zeros((4, 8), jnp.float32)
+    assert all_reduce.in_graph_sum(y, mesh, ("model",), jnp.bfloat16) is None
+    assert all_reduce.in_graph_sum(jnp.zeros(all_reduce.MAX_ELEMENTS + 1), mesh, ("model",),
+                                   jnp.float32) is None
+    assert all_reduce.in_graph_sum(y.astype(jnp.bfloat16), mesh, ("model",),
+                                   jnp.bfloat16) is None

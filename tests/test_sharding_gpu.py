@@ -21,6 +21,8 @@ import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import jax_fp4 as jf
+from jax_fp4 import _ext
+from jax_fp4.prims import all_reduce
 from jax_fp4.sharding import qarray_partition_specs
 
 PLATFORMS = [pytest.param("cpu", id="cpu"),
@@ -53,6 +55,36 @@ def collectives(fn, *args):
         plain, starts = found.get(kind, (0, 0))
         found[kind] = (plain + (not start), starts + bool(start))
     return {k: max(v) for k, v in found.items()}
+
+
+def in_graph_all_reduce(mesh) -> bool:
+    """Whether row-parallel sums on this mesh take the in-graph all-reduce
+    (jax_fp4.prims.all_reduce): two GPUs of this process with peer access, and
+    JAX_FP4_ALL_REDUCE not "xla". Probing allocates one small channel."""
+    import os
+    if mesh.devices.flat[0].platform == "cpu" or os.environ.get("JAX_FP4_ALL_REDUCE") == "xla":
+        return False
+    return _ext.all_reduce_setup([[d.local_hardware_id for d in mesh.devices.flat]], 1) > 0
+
+
+def expected_collectives(mesh, want):
+    """`want` with its all-reduces moved to the in-graph all-reduce's custom calls
+    ("jax_fp4_all_reduce_v1") where the mesh takes it."""
+    if not in_graph_all_reduce(mesh) or "all-reduce" not in want:
+        return dict(want)
+    want = dict(want)
+    want[all_reduce.TARGET] = want.pop("all-reduce")
+    return want
+
+
+def collectives_and_all_reduce_calls(fn, *args):
+    """collectives(), plus the count of the in-graph all-reduce's custom calls."""
+    found = collectives(fn, *args)
+    n = len(re.findall(r'custom_call_target="' + all_reduce.TARGET + '"',
+                       fn.lower(*args).compile().as_text()))
+    if n:
+        found[all_reduce.TARGET] = n
+    return found
 
 
 def assert_only_u32_all_reduces(fn, *args):
@@ -146,7 +178,7 @@ def test_w4a16_matmul_partitioned(mesh, fmt, block_size, ts, case):
     f = jax.jit(lambda x, q: jf.dot_general(x, q, (((1,), (0,)), ((), ())),
                                             out_sharding=out))
     args = (put(x, xspec, mesh), put(q, wspec, mesh))
-    assert collectives(f, *args) == want
+    assert collectives_and_all_reduce_calls(f, *args) == expected_collectives(mesh, want)
     y = f(*args)
     if out is not None:
         assert y.sharding.is_equivalent_to(out, 2), y.sharding
@@ -170,7 +202,7 @@ def test_scaled_matmul_row_parallel(mesh):
             lambda a, b, bias: jax.lax.with_sharding_constraint(fn(a, b, bias), out))
         args = (put(a, P(None, "model"), mesh), put(b, P(None, "model"), mesh),
                 put(bias, P(), mesh))
-        assert collectives(f, *args) == want
+        assert collectives_and_all_reduce_calls(f, *args) == expected_collectives(mesh, want)
         got = np.asarray(f(*args), np.float64)
         # both operands decode exactly; float32 sums over K (docs/spec.md, section 5)
         ad = np.asarray(jf.dequantize(on_one(a, _CPU), dtype=jnp.float32), np.float64)
@@ -235,3 +267,41 @@ def test_fsdp_gathers_the_packed_weight(mesh):
     y = f(*args)
     assert y.sharding.spec[0] == "fsdp"
     assert_w4a16(y, x, q, "fsdp")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_in_graph_all_reduce_equals_psum(out_dtype):
+    """The in-graph all-reduce alone, under shard_map on two GPUs: on every device, bit
+    for bit psum's float32 sum (a + b: two ranks leave no order to differ in) cast to
+    out_dtype, for one element, parts of a block, several blocks with a ragged end and
+    the largest message; called repeatedly with fresh values, so that both buffer phases
+    and the epoch counters are exercised, and both devices hold the same bits."""
+    gpus = jax.devices("gpu") if jax.default_backend() == "gpu" else []
+    if len(gpus) < 2:
+        pytest.skip(f"needs >= 2 GPUs, found {len(gpus)}")
+    mesh = Mesh(np.array(gpus[:2]), ("model",), axis_types=(AxisType.Auto,))
+    if not in_graph_all_reduce(mesh):
+        pytest.skip("the two GPUs have no peer access (XLA's psum runs instead)")
+
+    def local(fn):
+        return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("model"), out_specs=P("model")))
+
+    def ours(y):
+        s = all_reduce.in_graph_sum(y, mesh, ("model",), out_dtype)
+        assert s is not None, "the in-graph all-reduce did not apply"
+        return s
+
+    f = local(ours)
+    g = local(lambda y: jax.lax.psum(y, "model").astype(out_dtype))
+    rng = np.random.default_rng(0)
+    for n in (1, 1000, 3 * 2048 + 5, all_reduce.MAX_ELEMENTS):
+        y = jax.device_put(rng.standard_normal(2 * n).astype(np.float32) * 100,
+                           NamedSharding(mesh, P("model")))
+        assert all_reduce.TARGET in f.lower(y).compile().as_text()
+        for i in range(5):
+            y = y * np.float32(1.5) - np.float32(i)
+            got, want = np.asarray(f(y)), np.asarray(g(y))
+            assert got.dtype == np.dtype(out_dtype)
+            assert_bit_equal(got, want)
+            assert_bit_equal(got[:n], got[n:])
