@@ -145,6 +145,12 @@ def project(h, layer, fused, widths):
     return [dense(h, layer[n]["kernel"]) for n in FUSED[fused]]
 
 
+def tree_nbytes(tree):
+    """Bytes of the arrays of a pytree (a QArray counts its codes, scales, zero points and
+    tensor scale)."""
+    return sum(int(leaf.nbytes) for leaf in jax.tree.leaves(tree))
+
+
 def init_cache(cfg: Config, b, key):
     """Per layer a (k, v) pair, each (B, kv_heads, context, head_dim) bf16 (head-major, so
     that the attention's contractions read it in place; one array per layer, as a serving
@@ -402,6 +408,7 @@ def run(args):
             cache = init_cache(cfg, b, jax.random.fold_in(key, 1000 + m))
             x = jax.random.normal(jax.random.fold_in(key, 2000 + m), (b, t, cfg.hidden),
                                   jnp.bfloat16)
+            cache_bytes = tree_nbytes(cache)
             base = None
             for fmt in ["bf16", *args.formats]:
                 p, c, xs = models[fmt], cache, x
@@ -418,7 +425,8 @@ def run(args):
                     base = (wall, ksum, loop)
                 rows.append(dict(layout=(kind, n), fmt=fmt, m=m, wall=wall, ksum=ksum,
                                  ratio=base[0] / wall, kratio=base[1] / ksum, loop=loop,
-                                 lratio=base[2] / loop, tps=m / loop, coll=coll))
+                                 lratio=base[2] / loop, tps=m / loop, coll=coll,
+                                 step_bytes=tree_nbytes(models[fmt]) + cache_bytes))
                 print(f"# {layout_name(kind, n):8s} M={m:5d} {fmt:8s} wall "
                       f"{wall * 1e3:8.3f} ms  x{base[0] / wall:5.2f}  "
                       f"kernels {ksum * 1e3:8.3f} ms  x{base[1] / ksum:5.2f}  "
@@ -475,6 +483,16 @@ def table(cfg, rows):
                     for f in fmts) + " |")
         parts.append("**Speed-up over one device** (wall time per step, blocked / decode "
                      "loop, same format and M)\n\n" + "\n".join(out))
+    lay = next(iter(dict.fromkeys(r["layout"] for r in rows)))
+    out = list(head)
+    for m in ms:
+        bf16 = by[(lay, "bf16", m)]["step_bytes"]
+        out.append(f"| {m} | {bf16 / 1e6:.1f} MB | " + " | ".join(
+            f"{by[(lay, f, m)]['step_bytes'] / 1e6:.1f} MB ({bf16 / by[(lay, f, m)]['step_bytes']:.2f}x)"
+            for f in fmts[1:]) + " |")
+    parts.append("**Bytes a step reads at least** (weights and KV cache, all devices "
+                 "together; in brackets bf16's over the format's: the speed-up of a step "
+                 "that streams its bytes as fast as bf16's)\n\n" + "\n".join(out))
     note = (f"Wall-time ratio to bf16 per step in the same layout: each step blocked on / "
             f"a decode loop (steps back to back, each one's output the next one's input; "
             f"in brackets: the kernel-time ratio from the profiler, per device); bf16 "

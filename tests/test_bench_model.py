@@ -22,6 +22,15 @@ def test_bench_model_tiny_runs(tmp_path):
     assert all(r["wall"] > 0 and r["loop"] > 0 for r in rows)
     text = out.read_text()
     assert "| M | bf16 | int4 |" in text and "bench_model.py" in text
+    # the bytes a step reads: bf16 weights (2 bytes a parameter) and the bf16 KV cache
+    cfg = bench_model.TINY
+    b, _ = cfg.batch(8)
+    n_params = sum(x.size for x in jax.tree.leaves(bench_model.init_params(cfg, jax.random.key(0))))
+    cache = 2 * cfg.layers * b * cfg.kv_heads * cfg.context * cfg.head_dim * 2
+    by = {r["fmt"]: r["step_bytes"] for r in rows}
+    assert by["bf16"] == 2 * n_params + cache
+    assert cache < by["int4"] < cache + 0.6 * n_params  # 4-bit codes and their scales
+    assert f"| 8 | {by['bf16'] / 1e6:.1f} MB | {by['int4'] / 1e6:.1f} MB (" in text
 
 
 def test_bench_model_heading_carries_xla_flags(tmp_path, monkeypatch):

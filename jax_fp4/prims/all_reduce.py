@@ -12,8 +12,9 @@ the output dtype (the cast XLA would fuse after the ``psum``).
 
 ``JAX_FP4_ALL_REDUCE=xla`` (read when a program is partitioned) keeps XLA's ``psum``
 everywhere, and so does a persistent compilation cache (``jax_compilation_cache_dir``): a
-cached executable skips the partitioning that sets the call sites' buffers up. Messages over :data:`MAX_ELEMENTS` values keep it too. Each compiled call site
-owns 2 x ranks message buffers on every GPU of its mesh for the life of the process.
+cached executable skips the partitioning that sets the call sites' buffers up. Messages
+over :data:`MAX_ELEMENTS` values keep it too. Each compiled call site owns 2 x ranks x
+its message's values x 8 bytes on every GPU of its mesh for the life of the process.
 """
 from __future__ import annotations
 
@@ -29,9 +30,9 @@ from .. import _ext
 __all__ = ["MAX_ELEMENTS", "device_groups", "in_graph_sum"]
 
 TARGET = "jax_fp4_all_reduce_v1"
-# float32 values per message (1 MiB), past which XLA's psum (NCCL) runs: large messages
-# are bandwidth-bound, where NCCL's algorithms are the better choice, and each call site
-# holds 2 x ranks x this many bytes on every GPU.
+# float32 values per message (1 MiB; the kernel's kMaxElements), past which XLA's psum
+# (NCCL) runs: large messages are bandwidth-bound, where NCCL's algorithms are the better
+# choice, and each call site holds 2 x ranks x 8 bytes per value on every GPU.
 MAX_ELEMENTS = 1 << 18
 MAX_RANKS = 8
 
