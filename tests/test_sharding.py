@@ -768,3 +768,7 @@ def test_in_graph_all_reduce_groups_and_where_it_does_not_apply():
                                    jnp.float32) is None
     assert all_reduce.in_graph_sum(y.astype(jnp.bfloat16), mesh, ("model",),
                                    jnp.bfloat16) is None
+    from jax_fp4 import _ext
+
+    if not _ext.has_kernels("cuda", all_reduce.TARGET):  # a build without CUDA: no channel
+        assert _ext.all_reduce_setup([[0, 1]], 16) == 0

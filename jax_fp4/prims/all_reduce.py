@@ -62,7 +62,8 @@ def in_graph_sum(y, mesh, axes, out_dtype) -> Optional[jax.Array]:
     GPUs of this process, each pair with peer access); out_dtype: float32, bfloat16 or
     float16. Called while the program is partitioned: it allocates this call site's
     buffers (its channel) on every GPU of the mesh then, so that no two call sites share
-    them and XLA may run them concurrently."""
+    them and XLA may run them concurrently. Raises RuntimeError (the CUDA error) where
+    they cannot be allocated."""
     if (os.environ.get("JAX_FP4_ALL_REDUCE", "").lower() == "xla"
             or jax.config.jax_compilation_cache_dir):
         return None
