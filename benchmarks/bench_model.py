@@ -348,10 +348,9 @@ def collectives(fn, args):
 def collectives_in(text):
     """collectives() of a compiled module's HLO text."""
     seen = {}  # kind: [plain count, plain bytes, starts, done bytes]
-    found = (_COLLECTIVE.search(line) for line in text.splitlines())
-    in_graph = (_IN_GRAPH.search(line) for line in text.splitlines())
-    found = [f.groups() for f in found if f] + [(f.group(1), "in-graph all-reduce", "")
-                                                 for f in in_graph if f]
+    lines = text.splitlines()
+    found = [f.groups() for f in map(_COLLECTIVE.search, lines) if f]
+    found += [(f.group(1), "in-graph all-reduce", "") for f in map(_IN_GRAPH.search, lines) if f]
     for shapes, kind, phase in found:
         c = seen.setdefault(kind, [0, 0, 0, 0])
         if not phase:
@@ -394,6 +393,7 @@ def run(args):
     models = {}
     for fmt in ["bf16", *args.formats]:
         models[fmt] = quantized(params, fmt) if fmt != "bf16" else params
+    weight_bytes = {fmt: tree_nbytes(p) for fmt, p in models.items()}
     for kind, n in layouts(args):
         mesh = (None if n == 1 else
                 jax.sharding.Mesh(np.array(jax.devices()[:n]), (kind,)))
@@ -426,7 +426,7 @@ def run(args):
                 rows.append(dict(layout=(kind, n), fmt=fmt, m=m, wall=wall, ksum=ksum,
                                  ratio=base[0] / wall, kratio=base[1] / ksum, loop=loop,
                                  lratio=base[2] / loop, tps=m / loop, coll=coll,
-                                 step_bytes=tree_nbytes(models[fmt]) + cache_bytes))
+                                 step_bytes=weight_bytes[fmt] + cache_bytes))
                 print(f"# {layout_name(kind, n):8s} M={m:5d} {fmt:8s} wall "
                       f"{wall * 1e3:8.3f} ms  x{base[0] / wall:5.2f}  "
                       f"kernels {ksum * 1e3:8.3f} ms  x{base[1] / ksum:5.2f}  "

@@ -12,6 +12,8 @@ float64 sum within the W4A16 contract (docs/spec.md, section 5), since a shard m
 another kernel path or sum in another order -- and the compiled HLO holds exactly the
 expected collectives. The GPU variants skip where fewer than two GPUs are visible.
 """
+import functools
+import os
 import re
 
 import jax
@@ -46,7 +48,8 @@ _COLLECTIVE = re.compile(r"\b(all-reduce|all-gather|reduce-scatter|all-to-all|"
 
 
 def collectives(fn, *args):
-    """{kind: count} of the collectives in fn's compiled HLO. An asynchronous one prints as
+    """{kind: count} of the collectives in fn's compiled HLO, jax-fp4's in-graph all-reduce
+    (custom calls to all_reduce.TARGET) among them. An asynchronous one prints as
     ``X-start`` (XLA's async syntax) or as an ``async-start`` of a computation holding
     ``X``: per kind the larger of the two counts, so that each is counted once."""
     text = fn.lower(*args).compile().as_text()
@@ -54,17 +57,24 @@ def collectives(fn, *args):
     for kind, start in _COLLECTIVE.findall(text):
         plain, starts = found.get(kind, (0, 0))
         found[kind] = (plain + (not start), starts + bool(start))
-    return {k: max(v) for k, v in found.items()}
+    found = {k: max(v) for k, v in found.items()}
+    in_graph = text.count(f'custom_call_target="{all_reduce.TARGET}"')
+    return found | ({all_reduce.TARGET: in_graph} if in_graph else {})
 
 
 def in_graph_all_reduce(mesh) -> bool:
     """Whether row-parallel sums on this mesh take the in-graph all-reduce
-    (jax_fp4.prims.all_reduce): two GPUs of this process with peer access, and
-    JAX_FP4_ALL_REDUCE not "xla". Probing allocates one small channel."""
-    import os
+    (jax_fp4.prims.all_reduce): GPUs of this process with peer access, and
+    JAX_FP4_ALL_REDUCE not "xla"."""
     if mesh.devices.flat[0].platform == "cpu" or os.environ.get("JAX_FP4_ALL_REDUCE") == "xla":
         return False
-    return _ext.all_reduce_setup([[d.local_hardware_id for d in mesh.devices.flat]], 1) > 0
+    return _peer_access(tuple(d.local_hardware_id for d in mesh.devices.flat))
+
+
+@functools.lru_cache(maxsize=None)
+def _peer_access(ordinals) -> bool:
+    # the probe allocates one small channel: once per set of GPUs
+    return _ext.all_reduce_setup([list(ordinals)], 1) > 0
 
 
 def expected_collectives(mesh, want):
@@ -75,16 +85,6 @@ def expected_collectives(mesh, want):
     want = dict(want)
     want[all_reduce.TARGET] = want.pop("all-reduce")
     return want
-
-
-def collectives_and_all_reduce_calls(fn, *args):
-    """collectives(), plus the count of the in-graph all-reduce's custom calls."""
-    found = collectives(fn, *args)
-    n = len(re.findall(r'custom_call_target="' + all_reduce.TARGET + '"',
-                       fn.lower(*args).compile().as_text()))
-    if n:
-        found[all_reduce.TARGET] = n
-    return found
 
 
 def assert_only_u32_all_reduces(fn, *args):
@@ -178,7 +178,7 @@ def test_w4a16_matmul_partitioned(mesh, fmt, block_size, ts, case):
     f = jax.jit(lambda x, q: jf.dot_general(x, q, (((1,), (0,)), ((), ())),
                                             out_sharding=out))
     args = (put(x, xspec, mesh), put(q, wspec, mesh))
-    assert collectives_and_all_reduce_calls(f, *args) == expected_collectives(mesh, want)
+    assert collectives(f, *args) == expected_collectives(mesh, want)
     y = f(*args)
     if out is not None:
         assert y.sharding.is_equivalent_to(out, 2), y.sharding
@@ -202,7 +202,7 @@ def test_scaled_matmul_row_parallel(mesh):
             lambda a, b, bias: jax.lax.with_sharding_constraint(fn(a, b, bias), out))
         args = (put(a, P(None, "model"), mesh), put(b, P(None, "model"), mesh),
                 put(bias, P(), mesh))
-        assert collectives_and_all_reduce_calls(f, *args) == expected_collectives(mesh, want)
+        assert collectives(f, *args) == expected_collectives(mesh, want)
         got = np.asarray(f(*args), np.float64)
         # both operands decode exactly; float32 sums over K (docs/spec.md, section 5)
         ad = np.asarray(jf.dequantize(on_one(a, _CPU), dtype=jnp.float32), np.float64)
