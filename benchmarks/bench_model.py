@@ -290,7 +290,9 @@ def wall_times(fn, args, iters, loops=3):
     """(median wall time of a step, each call blocked on; wall time per step of a decode
     loop: `iters` steps dispatched back to back, each step's output the next one's x, the
     host's dispatch overlapping the GPU's work and one block at the end, as a generate loop
-    that samples on the device runs; median of `loops` loops)."""
+    that samples on the device runs; median of `loops` loops; the host's time per step to
+    dispatch that loop, its calls returned before the block: where it is as long as the
+    loop's, the loop is bound by the host, not the GPU)."""
     p, c, x = args
     jax.block_until_ready(fn(p, c, fn(p, c, x)))  # compile both input shardings, warm up
     ts = []
@@ -298,15 +300,16 @@ def wall_times(fn, args, iters, loops=3):
         t0 = time.perf_counter()
         jax.block_until_ready(fn(*args))
         ts.append(time.perf_counter() - t0)
-    per_step = []
+    per_step, dispatch = [], []
     for _ in range(loops):
         y = x
         t0 = time.perf_counter()
         for _ in range(iters):
             y = fn(p, c, y)
+        dispatch.append((time.perf_counter() - t0) / iters)
         jax.block_until_ready(y)
         per_step.append((time.perf_counter() - t0) / iters)
-    return statistics.median(ts), statistics.median(per_step)
+    return statistics.median(ts), statistics.median(per_step), statistics.median(dispatch)
 
 
 def kernel_sum(fn, args):
@@ -417,7 +420,7 @@ def run(args):
                 elif kind == "fsdp" and mesh is not None:
                     p, c, xs = fsdp_shardings(p, cache, x, mesh)
                 fargs = (p, c, xs)
-                wall, loop = wall_times(fn, fargs, args.iters)
+                wall, loop, host = wall_times(fn, fargs, args.iters)
                 ksum = (float("nan") if args.no_kernel_sum or jax.default_backend() == "cpu"
                         else kernel_sum(fn, fargs) / n)  # the trace has every device's
                 coll = collectives(fn, fargs) if mesh is not None else {}
@@ -425,12 +428,13 @@ def run(args):
                     base = (wall, ksum, loop)
                 rows.append(dict(layout=(kind, n), fmt=fmt, m=m, wall=wall, ksum=ksum,
                                  ratio=base[0] / wall, kratio=base[1] / ksum, loop=loop,
-                                 lratio=base[2] / loop, tps=m / loop, coll=coll,
+                                 lratio=base[2] / loop, tps=m / loop, host=host, coll=coll,
                                  step_bytes=weight_bytes[fmt] + cache_bytes))
                 print(f"# {layout_name(kind, n):8s} M={m:5d} {fmt:8s} wall "
                       f"{wall * 1e3:8.3f} ms  x{base[0] / wall:5.2f}  "
                       f"kernels {ksum * 1e3:8.3f} ms  x{base[1] / ksum:5.2f}  "
-                      f"decode loop {loop * 1e3:8.3f} ms  x{base[2] / loop:5.2f}"
+                      f"decode loop {loop * 1e3:8.3f} ms  x{base[2] / loop:5.2f}  "
+                      f"(dispatch {host * 1e3:6.3f} ms)"
                       + (f"  {coll_str(coll)}" if coll else ""), file=sys.stderr, flush=True)
                 del p, c, xs, fargs
             del cache, x
@@ -548,7 +552,8 @@ def main(argv=None):
             json.dump([dict(gpu=gpu, table=head.splitlines()[0].lstrip("# "), m=r["m"],
                             fmt=r["fmt"], layout=layout_name(*r["layout"]), ratio=r["ratio"],
                             loop_ratio=r["lratio"], bf16_ms=r["wall"] * r["ratio"] * 1e3,
-                            bf16_loop_ms=r["loop"] * r["lratio"] * 1e3)
+                            bf16_loop_ms=r["loop"] * r["lratio"] * 1e3,
+                            loop_ms=r["loop"] * 1e3, dispatch_ms=r["host"] * 1e3)
                        for r in rows if r["fmt"] != "bf16"], fh, indent=1)
     return rows
 

@@ -30,9 +30,10 @@ import jax_fp4 as jf
 L2_BYTES = 60 << 20
 
 
-def device_time(fn, args, calls=5):
-    """Seconds of GPU work per call of fn(*args): the durations of the kernel, memset and
-    memcpy events on the device's stream lines of a JAX profiler trace of `calls` calls."""
+def kernel_times(fn, args, calls=5):
+    """{kernel name (first 80 characters): seconds per call} of fn(*args): the durations
+    of the kernel, memset and memcpy events on the device's stream lines of a JAX profiler
+    trace of `calls` calls (every GPU of the trace together)."""
     from jax.profiler import ProfileData
 
     jax.block_until_ready(fn(*args))  # compile + warm up
@@ -41,7 +42,6 @@ def device_time(fn, args, calls=5):
         for _ in range(calls):
             jax.block_until_ready(fn(*args))
     path = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)[0]
-    total_ns = 0.0
     per_kernel = {}
     for plane in ProfileData.from_file(path).planes:
         if not plane.name.startswith("/device:GPU"):
@@ -49,15 +49,21 @@ def device_time(fn, args, calls=5):
         for line in plane.lines:  # "Stream #k(...)": the CUPTI activity of one stream
             if line.name.startswith("Stream"):
                 for e in line.events:
-                    total_ns += e.duration_ns
                     per_kernel[e.name[:80]] = per_kernel.get(e.name[:80], 0.0) + e.duration_ns
-    if os.environ.get("BENCH_BREAKDOWN"):
-        for name, ns in sorted(per_kernel.items(), key=lambda kv: -kv[1]):
-            print(f"#   {ns / calls / 1e3:9.1f} us  {name}", file=sys.stderr)
-    if total_ns == 0:
+    if not per_kernel:
         lines = [(pl.name, [ln.name for ln in pl.lines]) for pl in ProfileData.from_file(path).planes]
         raise RuntimeError(f"no GPU stream events in the profile {path}: {lines}")
-    return total_ns * 1e-9 / calls
+    return {name: ns * 1e-9 / calls for name, ns in per_kernel.items()}
+
+
+def device_time(fn, args, calls=5):
+    """Seconds of GPU work per call of fn(*args) (:func:`kernel_times`, summed);
+    BENCH_BREAKDOWN=1 prints the time per kernel."""
+    per_kernel = kernel_times(fn, args, calls)
+    if os.environ.get("BENCH_BREAKDOWN"):
+        for name, t in sorted(per_kernel.items(), key=lambda kv: -kv[1]):
+            print(f"#   {t * 1e6:9.1f} us  {name}", file=sys.stderr)
+    return sum(per_kernel.values())
 
 
 def copy_roof(nbytes=1 << 30):

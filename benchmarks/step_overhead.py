@@ -93,7 +93,7 @@ def main():
     print(f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r} M={args.m}")
     for fmt in ["bf16", *args.formats]:
         fa = (bench_model.quantized(params, fmt), cache, x)
-        wall, loop = bench_model.wall_times(fn, fa, 30)
+        wall, loop, _ = bench_model.wall_times(fn, fa, 30)
         piped = back_to_back(fn, fa)
         ds = []
         for _ in range(30):

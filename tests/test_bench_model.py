@@ -20,6 +20,8 @@ def test_bench_model_tiny_runs(tmp_path):
                              "--results", str(out)])
     assert {(r["fmt"], r["m"]) for r in rows} == {("bf16", 8), ("int4", 8)}
     assert all(r["wall"] > 0 and r["loop"] > 0 for r in rows)
+    # the loop's dispatch is timed inside the loop, before its block
+    assert all(0 < r["host"] <= r["loop"] for r in rows)
     text = out.read_text()
     assert "| M | bf16 | int4 |" in text and "bench_model.py" in text
     # the bytes a step reads: bf16 weights (2 bytes a parameter) and the bf16 KV cache
