@@ -49,7 +49,6 @@ import datetime
 import json
 import math
 import os
-import re
 import statistics
 import sys
 import time
@@ -60,6 +59,7 @@ import numpy as np
 
 import jax_fp4 as jf
 import jax_fp4.nn  # noqa: F401  (quantize_params)
+from jax_fp4 import sharding as jsh
 
 FORMATS = ["nvfp4", "mxfp4", "nf4", "bnb_fp4", "int4"]
 
@@ -251,7 +251,6 @@ def fsdp_shardings(params, cache, x, mesh):
     "fsdp" where B divides, else replicated."""
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from jax_fp4 import sharding as jsh
 
     params = jax.device_put(params, jsh.named_shardings(mesh, jsh.fsdp_specs(params, mesh)))
     batch = "fsdp" if x.shape[0] % mesh.shape["fsdp"] == 0 else None
@@ -265,7 +264,6 @@ def tp_shardings(params, cache, mesh):
     in, the KV cache by head; QArray leaves follow their float weight's spec."""
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from jax_fp4 import sharding as jsh
 
     def spec_of(path, leaf):
         names = [getattr(k, "key", getattr(k, "name", None)) for k in path]
@@ -323,47 +321,15 @@ def kernel_sum(fn, args):
         return float("nan")
 
 
-# one HLO instruction line: its result type (an array or a tuple, nested for combined
-# asynchronous collectives), the collective and its phase
-_COLLECTIVE = re.compile(r"= (.+?) (all-reduce|all-gather|reduce-scatter|all-to-all|"
-                         r"collective-permute)(-start|-done)?\(")
-# jax-fp4's in-graph all-reduce of row-parallel partial sums (jax_fp4.prims.all_reduce)
-_IN_GRAPH = re.compile(r"= (.+?) custom-call\(.*custom_call_target=\"jax_fp4_all_reduce_v1\"")
-
-
-def _nbytes(shapes):
-    """Bytes of the arrays in an HLO result type, e.g. "(u8[64,256]{1,0}, f32[])"."""
-    total = 0
-    for dt, dims in re.findall(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]", shapes):
-        bits = 1 if dt == "pred" else int(re.match(r"[a-z]+(\d+)", dt).group(1))
-        total += bits * int(np.prod([int(d) for d in dims.split(",") if d])) // 8
-    return total
-
-
 def collectives(fn, args):
     """{kind: (count, bytes of their results per device)} of the compiled step's collectives
-    (after XLA's combiners: one op may carry several arrays). An asynchronous one prints as ``X-start`` ... ``X-done`` (XLA's async syntax) or as an
-    ``async-start`` of a computation holding ``X``: counted once either way, sized at
-    ``X`` or at ``X-done``."""
-    return collectives_in(fn.lower(*args).compile().as_text())
-
-
-def collectives_in(text):
-    """collectives() of a compiled module's HLO text."""
-    seen = {}  # kind: [plain count, plain bytes, starts, done bytes]
-    lines = text.splitlines()
-    found = [f.groups() for f in map(_COLLECTIVE.search, lines) if f]
-    found += [(f.group(1), "in-graph all-reduce", "") for f in map(_IN_GRAPH.search, lines) if f]
-    for shapes, kind, phase in found:
-        c = seen.setdefault(kind, [0, 0, 0, 0])
-        if not phase:
-            c[0] += 1
-            c[1] += _nbytes(shapes)
-        elif phase == "-start":
-            c[2] += 1
-        else:
-            c[3] += _nbytes(shapes)
-    return {k: (max(c[0], c[2]), c[1] if c[0] else c[3]) for k, c in seen.items()}
+    (jax_fp4.sharding.collectives: each op once; after XLA's combiners one op may carry
+    several arrays)."""
+    found = {}
+    for c in jsh.collectives(fn.lower(*args).compile()):
+        n, nbytes = found.get(c.kind, (0, 0))
+        found[c.kind] = (n + 1, nbytes + c.nbytes)
+    return found
 
 
 def coll_str(coll):

@@ -9,8 +9,10 @@ rules (:mod:`jax_fp4.partitioning`) then run on each device's blocks without gat
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 import re
-from typing import Any
+from typing import Any, Union
 
 import jax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
@@ -20,7 +22,7 @@ from .qarray import QArray
 
 __all__ = ["qarray_partition_specs", "shard_qarray", "named_shardings", "quantized_specs",
            "tensor_parallel_specs", "fsdp_specs", "gather_weights", "with_out_sharding",
-           "MEGATRON_COLUMN", "MEGATRON_ROW"]
+           "Collective", "collectives", "MEGATRON_COLUMN", "MEGATRON_ROW"]
 
 #: Layer names of Megatron's column-parallel layers (output features sharded): attention
 #: q/k/v and MLP gate/up projections, as Hugging Face Llama / Mistral / Qwen name them
@@ -276,3 +278,84 @@ def with_out_sharding(y, out_sharding):
     if all(t == AxisType.Auto for t in mesh.axis_types):
         return jax.lax.with_sharding_constraint(y, out_sharding)
     return jax.sharding.reshard(y, out_sharding)
+
+
+# XLA's collectives, and the FFI target of jax-fp4's in-graph all-reduce
+# (jax_fp4.prims.all_reduce.TARGET; not imported: that module loads the extension)
+_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
+                "collective-permute")
+_IN_GRAPH_TARGET = "jax_fp4_all_reduce_v1"
+# one HLO instruction: "%name = TYPE opcode(...": the opcode is the first word followed by
+# "(" after the result type (a type never holds one: "f32[8]{0}", "(f32[], u32[])")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+ = (.+?) ([a-z][\w\-]*)\(")
+_ARRAY = re.compile(r"\b([a-z]+[0-9a-z]*)\[([\d,]*)\]")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective of a compiled program (:func:`collectives`).
+
+    kind: "all-reduce", "all-gather", "reduce-scatter", "all-to-all",
+      "collective-permute", or "in-graph all-reduce" (jax-fp4's own all-reduce of
+      row-parallel partial sums on the GPUs of one process, a custom call to
+      ``jax_fp4_all_reduce_v1``: docs/sharding.md).
+    type: its result per device as the HLO text prints it, e.g. ``"f32[16,128]{1,0}"``,
+      or a tuple ``"(u8[64,256]{1,0}, f32[])"`` where XLA's combiners merged several
+      arrays into one op; for an asynchronous one the result of its ``-done`` half (an
+      all-gather's gathered array).
+    """
+    kind: str
+    type: str
+
+    @property
+    def arrays(self) -> tuple:
+        """((dtype name as HLO spells it, shape), ...) of the result, e.g. (("f32", (16,
+        128)),)."""
+        return tuple((dt, tuple(int(d) for d in dims.split(",") if d))
+                     for dt, dims in _ARRAY.findall(self.type))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the result per device (pred 1 byte an element, u4 / s4 half)."""
+        total = 0
+        for dt, shape in self.arrays:
+            bits = 8 if dt == "pred" else int(re.search(r"\d+", dt).group())
+            total += math.prod(shape) * bits // 8
+        return total
+
+
+def collectives(program: Union[str, Any]) -> list:
+    """The collectives of a compiled program, each once, in the order the HLO text lists
+    them: what a sharded step communicates (docs/sharding.md, "Checking for
+    communication").
+
+    Args:
+      program: a compiled function (``jax.jit(f).lower(*args).compile()``) or its HLO text
+        (``.as_text()``).
+    Returns:
+      list of :class:`Collective`. An asynchronous collective counts once, at its
+      ``-done`` half (``all-reduce-start`` / ``all-reduce-done``), or once as the plain op
+      inside the computation that XLA's generic ``async-start`` wraps; each op is
+      listed once per place in the program text (a collective inside a loop body once).
+    Raises:
+      TypeError: ``program`` is neither a string nor has ``as_text()``.
+    """
+    if not isinstance(program, str):
+        if not callable(getattr(program, "as_text", None)):
+            raise TypeError(f"collectives: program must be a compiled function (with "
+                            f"as_text()) or its HLO text, got {type(program).__name__}")
+        program = program.as_text()
+    found = []
+    for line in program.splitlines():
+        m = _INSTRUCTION.match(line)
+        if m is None:
+            continue
+        type_, op = m.groups()
+        if op.endswith("-start"):
+            continue
+        kind = op[:-len("-done")] if op.endswith("-done") else op
+        if kind in _COLLECTIVES:
+            found.append(Collective(kind, type_))
+        elif op == "custom-call" and f'custom_call_target="{_IN_GRAPH_TARGET}"' in line:
+            found.append(Collective("in-graph all-reduce", type_))
+    return found

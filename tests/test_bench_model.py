@@ -145,22 +145,3 @@ def test_bench_model_one_and_two_devices_in_one_run(tmp_path):
     for part in ("**1 device**", "**TP=2**", "**FSDP=2**", "**Speed-up over one device**",
                  "| TP=2 | 4 |", "| FSDP=2 | 4 |"):
         assert part in text, part
-
-
-def test_collectives_counts_combined_async_ops_once_and_sizes_their_results():
-    """XLA's combiners give one asynchronous all-gather a nested tuple type; the count is
-    one op, the bytes those of its -done result."""
-    text = "\n".join([
-        "  %ag = ((bf16[4096,2048]{1,0}, u8[64]{0}), (bf16[4096,4096]{1,0}, u8[128]{0})) "
-        "all-gather-start(%a, %b), dimensions={1}",
-        "  %agd = (bf16[4096,4096]{1,0}, u8[128]{0}) all-gather-done(%ag)",
-        "  %ar = f32[1,4096]{1,0} all-reduce(%x), to_apply=%add",
-        "  %ar2 = f32[1,4096]{1,0} all-reduce(%y), to_apply=%add",
-        "  %f = f32[8]{0} fusion(%z), kind=kLoop, calls=%all-reduce.fused",
-        '  %cc = bf16[1,4096]{1,0} custom-call(%p), custom_call_target="jax_fp4_all_reduce_v1", '
-        "api_version=API_VERSION_TYPED_FFI",
-        '  %q = bf16[1,4096]{1,0} custom-call(%p), custom_call_target="jax_fp4_wmatmul_v3"',
-    ])
-    got = bench_model.collectives_in(text)
-    assert got == {"all-gather": (1, 4096 * 4096 * 2 + 128), "all-reduce": (2, 2 * 4096 * 4),
-                   "in-graph all-reduce": (1, 4096 * 2)}

@@ -19,9 +19,10 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import jax_fp4 as jf
 import jax_fp4.nn  # noqa: F401  (jf.nn.quantize_params)
-from jax_fp4.sharding import (fsdp_specs, gather_weights, named_shardings,
+from jax_fp4.sharding import (Collective, fsdp_specs, gather_weights, named_shardings,
                               qarray_partition_specs, quantized_specs, shard_qarray,
                               tensor_parallel_specs)
+from jax_fp4.sharding import collectives as jsh_collectives
 
 _CPUS = jax.devices("cpu")
 if len(_CPUS) < 8:
@@ -33,15 +34,10 @@ MESH = Mesh(np.array(_CPUS[:8]).reshape(2, 4), ("data", "model"),
             axis_types=(AxisType.Auto,) * 2)
 MESH_1D = Mesh(np.array(_CPUS[:8]), ("model",), axis_types=(AxisType.Auto,))
 
-_COLLECTIVE = re.compile(
-    r"= (\([^)]*\)|\S+) (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)"
-    r"(?:-start)?\(")
-
-
 def collectives(fn, *args):
-    """[(kind, result shape)] of the collectives in fn's compiled HLO."""
-    text = fn.lower(*args).compile().as_text()
-    return [(m.group(2), m.group(1)) for m in _COLLECTIVE.finditer(text)]
+    """[(kind, result type)] of the collectives in fn's compiled HLO
+    (jax_fp4.sharding.collectives)."""
+    return [(c.kind, c.type) for c in jsh_collectives(fn.lower(*args).compile())]
 
 
 def assert_only_amax(found):
@@ -772,3 +768,49 @@ def test_in_graph_all_reduce_groups_and_where_it_does_not_apply():
 
     if not _ext.has_kernels("cuda", all_reduce.TARGET):  # a build without CUDA: no channel
         assert _ext.all_reduce_setup([[0, 1]], 16) == 0
+
+
+# ------------------------------------------------------- jax_fp4.sharding.collectives
+def test_collectives_counts_each_op_once_and_sizes_its_result():
+    """XLA's async pairs count once at their -done half (a combined all-gather's nested
+    tuple type: the gathered arrays), plain ops once, jax-fp4's in-graph all-reduce by its
+    custom-call target; an opcode named only in metadata or a called computation's name
+    is not a collective."""
+    text = "\n".join([
+        "HloModule m",
+        "ENTRY %main (a: bf16[4096,2048]) -> f32[4,128] {",
+        "  %ag = ((bf16[4096,2048]{1,0}, u8[64]{0}), (bf16[4096,4096]{1,0}, u8[128]{0})) "
+        "all-gather-start(%a, %b), dimensions={1}",
+        "  %agd = (bf16[4096,4096]{1,0}, u8[128]{0}) all-gather-done(%ag)",
+        "  %ar = f32[1,4096]{1,0} all-reduce(%x), to_apply=%add",
+        '  %f = f32[8]{0} fusion(%z), kind=kLoop, calls=%all-reduce.fused, '
+        'metadata={op_name="jit(f)/all-gather(x)"}',
+        "  %ars = f32[4096]{0} all-reduce-start(%y), to_apply=%add",
+        "  %ard = f32[4096]{0} all-reduce-done(%ars)",
+        '  %cc = bf16[1,4096]{1,0} custom-call(%p), custom_call_target="jax_fp4_all_reduce_v1", '
+        "api_version=API_VERSION_TYPED_FFI",
+        '  %q = bf16[1,4096]{1,0} custom-call(%p), custom_call_target="jax_fp4_wmatmul_v3"',
+        "  %p1 = pred[16]{0} collective-permute(%m), source_target_pairs={{0,1},{1,0}}",
+        "  ROOT %rs = f32[4,128]{1,0} reduce-scatter(%z), dimensions={0}",
+        "}"])
+    got = jsh_collectives(text)
+    assert [c.kind for c in got] == ["all-gather", "all-reduce", "all-reduce",
+                                     "in-graph all-reduce", "collective-permute",
+                                     "reduce-scatter"]
+    assert got[0] == Collective("all-gather", "(bf16[4096,4096]{1,0}, u8[128]{0})")
+    assert got[0].arrays == (("bf16", (4096, 4096)), ("u8", (128,)))
+    assert [c.nbytes for c in got] == [4096 * 4096 * 2 + 128, 4096 * 4, 4096 * 4, 4096 * 2,
+                                       16, 4 * 128 * 4]
+
+
+def test_collectives_of_a_compiled_function_and_bad_input():
+    """A compiled row-parallel matmul lists its one all-reduce (CPU: XLA's); anything but
+    a compiled function or HLO text is a TypeError naming what it got."""
+    x = _x((16, 512), 1).astype(jnp.bfloat16)
+    q = jf.quantize(_x((512, 128), 2).astype(jnp.bfloat16), "int4", axis=0, block_size=64)
+    f = jax.jit(lambda x, q: jf.matmul(x, q))
+    args = (put(x, P(None, "model")), put(q, qarray_partition_specs(P("model", None), q)))
+    got = jsh_collectives(f.lower(*args).compile())
+    assert got == [Collective("all-reduce", "f32[16,128]{1,0}")]  # float32 partial sums
+    with pytest.raises(TypeError, match="compiled function.*got int"):
+        jsh_collectives(3)

@@ -12,9 +12,9 @@ float64 sum within the W4A16 contract (docs/spec.md, section 5), since a shard m
 another kernel path or sum in another order -- and the compiled HLO holds exactly the
 expected collectives. The GPU variants skip where fewer than two GPUs are visible.
 """
+import collections
 import functools
 import os
-import re
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +25,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 import jax_fp4 as jf
 from jax_fp4 import _ext
 from jax_fp4.prims import all_reduce
-from jax_fp4.sharding import qarray_partition_specs
+from jax_fp4.sharding import collectives as jsh_collectives, qarray_partition_specs
 
 PLATFORMS = [pytest.param("cpu", id="cpu"),
              pytest.param("gpu", id="gpu", marks=pytest.mark.gpu)]
@@ -43,23 +43,10 @@ def mesh(request):
     return Mesh(np.array(devices[:2]), ("model",), axis_types=(AxisType.Auto,))
 
 
-_COLLECTIVE = re.compile(r"\b(all-reduce|all-gather|reduce-scatter|all-to-all|"
-                         r"collective-permute)(-start)?\(")
-
-
 def collectives(fn, *args):
-    """{kind: count} of the collectives in fn's compiled HLO, jax-fp4's in-graph all-reduce
-    (custom calls to all_reduce.TARGET) among them. An asynchronous one prints as
-    ``X-start`` (XLA's async syntax) or as an ``async-start`` of a computation holding
-    ``X``: per kind the larger of the two counts, so that each is counted once."""
-    text = fn.lower(*args).compile().as_text()
-    found = {}
-    for kind, start in _COLLECTIVE.findall(text):
-        plain, starts = found.get(kind, (0, 0))
-        found[kind] = (plain + (not start), starts + bool(start))
-    found = {k: max(v) for k, v in found.items()}
-    in_graph = text.count(f'custom_call_target="{all_reduce.TARGET}"')
-    return found | ({all_reduce.TARGET: in_graph} if in_graph else {})
+    """{kind: count} of the collectives in fn's compiled HLO (jax_fp4.sharding.collectives:
+    each op once, jax-fp4's in-graph all-reduce as "in-graph all-reduce")."""
+    return dict(collections.Counter(c.kind for c in jsh_collectives(fn.lower(*args).compile())))
 
 
 def in_graph_all_reduce(mesh) -> bool:
@@ -83,18 +70,17 @@ def expected_collectives(mesh, want):
     if not in_graph_all_reduce(mesh) or "all-reduce" not in want:
         return dict(want)
     want = dict(want)
-    want[all_reduce.TARGET] = want.pop("all-reduce")
+    want["in-graph all-reduce"] = want.pop("all-reduce")
     return want
 
 
 def assert_only_u32_all_reduces(fn, *args):
     """Some all-reduces (XLA may merge the same amax of two ops), each of u32 scalars (the
     NVFP4 amax bit patterns), and no other collective."""
-    text = fn.lower(*args).compile().as_text()
-    kinds = collectives(fn, *args)
-    assert set(kinds) == {"all-reduce"}, kinds
-    for shapes in re.findall(r"= (\([^)]*\)|\S+) all-reduce(?:-start)?\(", text):
-        assert set(re.findall(r"\w+\[[^\]]*\]", shapes)) == {"u32[]"}, shapes
+    found = jsh_collectives(fn.lower(*args).compile())
+    assert found and {c.kind for c in found} == {"all-reduce"}, found
+    for c in found:
+        assert set(c.arrays) == {("u32", ())}, c
 
 
 def put(tree, spec, mesh):
@@ -258,12 +244,13 @@ def test_fsdp_gathers_the_packed_weight(mesh):
     assert placed["up"]["kernel"].data.sharding.spec == P("fsdp", None)
     f = jax.jit(lambda p, x: jf.matmul(x, gather_weights(p, fsdp)["up"]["kernel"]))
     args = (placed, put(x, P("fsdp", None), fsdp))
-    text = f.lower(*args).compile().as_text()
-    assert set(collectives(f, *args)) == {"all-gather"}
-    gathered = re.findall(r"= (\([^)]*\)|\S+) all-gather(?:-start|-done)?\(", text)
-    # the codes: u8, two per byte (a -start's result pairs the shard with the gathered)
-    assert any("u8[512,512]" in g for g in gathered), gathered
-    assert not re.search(r"(bf16|f32)\[(512,1024|1024,512)\]", " ".join(gathered)), gathered
+    found = jsh_collectives(f.lower(*args).compile())
+    assert {c.kind for c in found} == {"all-gather"}, found
+    gathered = [a for c in found for a in c.arrays]
+    # the codes: u8, two per byte; never the float weight
+    assert ("u8", (512, 512)) in gathered, gathered
+    assert not [a for a in gathered if a[0] in ("bf16", "f32")
+                and a[1] in ((512, 1024), (1024, 512))], gathered
     y = f(*args)
     assert y.sharding.spec[0] == "fsdp"
     assert_w4a16(y, x, q, "fsdp")
