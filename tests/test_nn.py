@@ -218,6 +218,96 @@ def test_quantize_params_plain_tree_conventions():
     assert not isinstance(out["k"]["kernel"], jf.QArray)
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "int4"])
+def test_quantize_params_stacked_layers(fmt):
+    """stacked=True: a scanned model's (L, in, out) kernels and (L1, L2, out, in) weights
+    become one QArray each whose layer i is bit for bit jf.quantize of layer i (nvfp4: its
+    own tensor scale), and lax.scan over them computes each layer's W4A16 product."""
+    tree = {"layers": {"mlp": {"kernel": _x((3, 128, 64), 1), "bias": _x((3, 64), 2)},
+                       "attn": {"weight": _x((2, 2, 64, 128), 3)}},
+            "head": {"kernel": _x((128, 32), 4)}}
+    q = quantize_params(tree, fmt, stacked=True, prepare=False)
+    k, wt = q["layers"]["mlp"]["kernel"], q["layers"]["attn"]["weight"]
+    assert isinstance(k, jf.QArray) and isinstance(wt, jf.QArray)
+    assert q["layers"]["mlp"]["bias"] is tree["layers"]["mlp"]["bias"]
+    kw = {"tensor_scale": "auto"} if fmt == "nvfp4" else {}  # quantize_params' default
+    for i in range(3):
+        r = jf.quantize(tree["layers"]["mlp"]["kernel"][i], fmt, axis=0, **kw)
+        for a, b in zip(jax.tree.leaves(jax.tree.map(lambda v: v[i], k)), jax.tree.leaves(r)):
+            np.testing.assert_array_equal(np.atleast_1d(np.asarray(a)).view(np.uint8),
+                                          np.atleast_1d(np.asarray(b)).view(np.uint8))
+    r = jf.quantize(tree["layers"]["attn"]["weight"][1, 0], fmt, axis=1, **kw)  # (out, in)
+    np.testing.assert_array_equal(np.asarray(wt.data[1, 0]), np.asarray(r.data))
+    if fmt == "nvfp4":
+        assert k.tensor_scale.shape == (3,) and wt.tensor_scale.shape == (2, 2)
+
+    def layers(x, stack):
+        return jax.lax.scan(lambda h, w: (jf.matmul(h, w)[:, :128], None),
+                            x, stack)[0]
+
+    x = _x((4, 128), 5)
+    w_sq = jax.vmap(lambda w: jnp.pad(w, ((0, 0), (0, 64))))(tree["layers"]["mlp"]["kernel"])
+    q_sq = quantize_params({"kernel": w_sq}, fmt, stacked=True, prepare=False)["kernel"]
+    y = jax.jit(layers)(x, q_sq)
+    want = x
+    for i in range(3):
+        want = jf.matmul(want, jf.quantize(w_sq[i], fmt, axis=0, **kw))[:, :128]
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(want))
+
+
+def test_quantize_params_stacked_leaves_warn_and_bad_use():
+    tree = {"layers": {"kernel": _x((2, 64, 32))}, "conv": {"kernel": _x((3, 3, 16, 32))}}
+    with pytest.warns(UserWarning, match=r"left 2 selected .* stacked=True.*layers\.kernel "
+                                         r"\(2, 64, 32\)"):
+        out = quantize_params(tree, "nvfp4")
+    assert out["layers"]["kernel"] is tree["layers"]["kernel"]
+    with warnings.catch_warnings():  # a callable filter is never asked about other leaves
+        warnings.simplefilter("error")
+        quantize_params(tree, "nvfp4", filter=lambda p, x: x.shape[1] == 64)
+    with pytest.raises(ValueError, match="stacked.*rtn.*'gptq'"):
+        quantize_params(tree, "nvfp4", stacked=True, method="gptq",
+                        calibration={"layers.kernel": _x((8, 64))})
+    with pytest.raises(ValueError, match="not a multiple"):
+        quantize_params({"kernel": _x((2, 24, 8))}, "nvfp4", stacked=True, strict=True)
+    with pytest.raises(ValueError, match="stacked.*NNX module"):
+        quantize_params(nnx.Linear(64, 32, rngs=nnx.Rngs(0)), "nvfp4", stacked=True)
+
+
+def test_linen_scanned_layers_quantize_with_stacked():
+    """A Linen model scanned over its layers (nn.scan, params stacked on axis 0): its float
+    params quantized with stacked=True load into the same model with QuantizedDense."""
+    import flax.linen as nn
+
+    class Block(nn.Module):
+        dense: type = nn.Dense
+        kw: tuple = ()
+
+        @nn.compact
+        def __call__(self, h, _):
+            return nn.relu(self.dense(64, name="fc", **dict(self.kw))(h)), None
+
+    class Stack(nn.Module):
+        dense: type = nn.Dense
+        kw: tuple = ()
+
+        @nn.compact
+        def __call__(self, x):
+            scan = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
+                           length=3)
+            return scan(self.dense, self.kw)(x, None)[0]
+
+    x = _x((4, 64), 6)
+    v = Stack().init(jax.random.key(0), x)
+    assert v["params"]["ScanBlock_0"]["fc"]["kernel"].shape == (3, 64, 64)
+    qv = quantize_params(v, "nvfp4", stacked=True, prepare=False)
+    qm = Stack(dense=jff.QuantizedDense, kw=(("format", "nvfp4"),))
+    jax.tree.map(lambda a, b: np.testing.assert_equal(a.shape, b.shape),
+                 qm.init(jax.random.key(0), x), qv)  # the structure Linen checks
+    y = Stack().apply(v, x)
+    yq = jax.jit(qm.apply)(qv, x)
+    assert _rel(yq, y) < 0.3  # three 4-bit layers
+
+
 def test_transpose_2d():
     w = _x((32, 64))
     q = jf.quantize(w, "nvfp4", axis=1, tensor_scale="auto")

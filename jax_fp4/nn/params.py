@@ -20,6 +20,7 @@ from __future__ import annotations
 import re
 from typing import Any, Callable, Optional, Union
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -58,22 +59,30 @@ def default_filter(path: str, leaf) -> bool:
     ``weight`` and whose path does not contain ``embed`` (case-insensitive). Biases and
     norm scales (1-D) and embedding tables are left alone.
     """
-    return (_is_float_array(leaf) and len(leaf.shape) == 2
-            and _leaf_name(path) in KERNEL_NAMES and not re.search(DEFAULT_EXCLUDE, path))
+    return _is_kernel_shaped(leaf, False) and _kernel_named(path)
 
 
-def _make_filter(filter: Filter) -> Callable[[str, Any], bool]:
+def _kernel_named(path: str) -> bool:
+    return _leaf_name(path) in KERNEL_NAMES and not re.search(DEFAULT_EXCLUDE, path)
+
+
+def _is_kernel_shaped(x, stacked) -> bool:
+    """A float array of 2 axes, or with ``stacked`` of more (layers stacked on the leading
+    axes of a scanned model)."""
+    return _is_float_array(x) and (len(x.shape) == 2 or (stacked and len(x.shape) > 2))
+
+
+def _make_filter(filter: Filter, stacked: bool = False) -> Callable[[str, Any], bool]:
     if filter is None:
-        return default_filter
+        return lambda p, x: _is_kernel_shaped(x, stacked) and _kernel_named(p)
     if isinstance(filter, str):
         try:
             rx = re.compile(filter)
         except re.error as e:
             raise ValueError(f"filter: not a valid regular expression {filter!r}: {e}") from None
-        return lambda p, x: (_is_float_array(x) and len(x.shape) == 2
-                             and rx.search(p) is not None)
+        return lambda p, x: _is_kernel_shaped(x, stacked) and rx.search(p) is not None
     if callable(filter):
-        return lambda p, x: _is_float_array(x) and len(x.shape) == 2 and bool(filter(p, x))
+        return lambda p, x: _is_kernel_shaped(x, stacked) and bool(filter(p, x))
     raise TypeError(f"filter: expected None, a regex string or a callable (path, leaf) -> "
                     f"bool, got {type(filter).__name__}")
 
@@ -119,14 +128,24 @@ def _fits_block(path, what, k, f, block_size, strict, skipped):
 
 
 def _quantize_leaf(path, leaf, f, kw, axis, strict, skipped):
-    ax = _resolve_axis(axis, path, leaf)
-    if not _fits_block(path, f"contraction axis {ax} has length", leaf.shape[ax], f,
+    """leaf as a QArray blocked along its contraction axis. A leaf of more than 2 axes is a
+    stack of layers' (2-D) kernels on its leading axes: each is quantized on its own
+    (``jax.vmap``; nvfp4: a tensor scale per layer), so that ``lax.scan`` over the leading
+    axis hands each layer its own 2-D QArray; the axis rules apply to the layer's kernel."""
+    matrix = jax.ShapeDtypeStruct(tuple(leaf.shape[-2:]), leaf.dtype)
+    ax = _resolve_axis(axis, path, matrix)
+    if not _fits_block(path, f"contraction axis {ax} has length", matrix.shape[ax], f,
                        kw["block_size"], strict, skipped):
         return leaf
     x = jnp.asarray(leaf)
     if x.dtype == jnp.float64:
         x = x.astype(jnp.float32)
-    return quantize(x, f.name, axis=ax, **kw)
+    def one(m):
+        return quantize(m, f.name, axis=ax, **kw)
+
+    for _ in range(x.ndim - 2):
+        one = jax.vmap(one)
+    return one(x)
 
 
 # ----------------------------------------------------------------------------- public

@@ -23,7 +23,7 @@ def quantize_params(tree, format: str = "nvfp4", *, filter: Filter = None, axis=
                     scale_rounding: str = "floor", scale_dtype=None, strict: bool = False,
                     act_format: Optional[str] = None, act_mode: str = "fake",
                     prepare: Optional[bool] = None, method: str = "rtn", calibration=None,
-                    ptq_options: Optional[dict] = None):
+                    ptq_options: Optional[dict] = None, stacked: bool = False):
     """Quantize the dense-layer kernels of a parameter pytree into QArrays.
 
     Works on any pytree: a plain dict, a Flax Linen ``params`` dict, a Flax NNX ``State``
@@ -46,7 +46,7 @@ def quantize_params(tree, format: str = "nvfp4", *, filter: Filter = None, axis=
       filter: which leaves to quantize. None: :func:`default_filter` (2-D leaves named
         ``kernel``/``weight`` outside ``embed`` paths); a regex searched in the dotted
         path; or a callable ``(path, leaf) -> bool``. Only 2-D float arrays are ever
-        quantized.
+        quantized (more with ``stacked``).
       axis: the contraction (blocked) axis. None: from the leaf name (``kernel`` -> 0,
         Flax (in, out); ``weight`` -> 1, PyTorch/Equinox (out, in)); an int; or a
         callable ``(path, leaf) -> int``.
@@ -82,11 +82,21 @@ def quantize_params(tree, format: str = "nvfp4", *, filter: Filter = None, axis=
         ``awq_groups`` (a sequence of :class:`jax_fp4.ptq.ScaleGroup`; default for the
         MiniLM BertModel: :func:`jax_fp4.ptq.bert_groups`), ``progress`` (tqdm bars,
         True).
+      stacked: plain trees and NNX ``State``, method "rtn": also quantize selected float
+        leaves of more than 2 axes as layers' kernels stacked on their leading axes (the
+        parameters of a model scanned over its layers: Linen ``nn.scan``, ``nnx.scan``,
+        MaxText's scanned layers), each layer on its own (``jax.vmap`` of
+        :func:`jax_fp4.quantize`; nvfp4: one tensor scale per layer, as per-layer
+        checkpoints hold) into one QArray whose leaves keep the leading axes, so that
+        ``lax.scan`` hands each layer its own 2-D QArray. ``axis`` then applies to each
+        layer's kernel (the last two axes). Without it such leaves stay float, with a
+        warning (convolution kernels are the other kind of leaf it names).
     Returns:
       a pytree of the same structure with QArray leaves (or a new module).
     Raises:
       ValueError: unknown format; a contraction axis that cannot be inferred; with
-        ``strict``, a kernel that does not block evenly; ``act_format`` for a plain tree.
+        ``strict``, a kernel that does not block evenly; ``act_format`` for a plain tree;
+        ``stacked`` with a method other than "rtn".
       TypeError: a filter of the wrong type.
     """
     f, kw = _quant_kwargs(format, block_size, tensor_scale, scale_rounding, scale_dtype)
@@ -95,6 +105,9 @@ def quantize_params(tree, format: str = "nvfp4", *, filter: Filter = None, axis=
 
         prepare = prepared_layout_native()
     if method != "rtn" or calibration is not None or ptq_options is not None:
+        if stacked:
+            raise ValueError(f"stacked: stacked layers are quantized by method 'rtn' only, "
+                             f"got method={method!r}")
         from ..ptq.api import quantize_params_ptq
 
         out = quantize_params_ptq(tree, f.name, method=method, calibration=calibration,
@@ -113,6 +126,9 @@ def quantize_params(tree, format: str = "nvfp4", *, filter: Filter = None, axis=
         from flax import nnx
 
         if isinstance(tree, nnx.Module):
+            if stacked:
+                raise ValueError("stacked: applies to parameter trees (e.g. nnx.state(model)), "
+                                 "not to an NNX module, whose nnx.Linear layers are replaced")
             from .flax import quantize_model
 
             model = quantize_model(tree, format, filter=filter, block_size=block_size,
@@ -122,8 +138,13 @@ def quantize_params(tree, format: str = "nvfp4", *, filter: Filter = None, axis=
             if prepare:
                 nnx.update(model, _prepared(nnx.state(model)))
             return model
-    pred = _make_filter(filter)
+    pred = _make_filter(filter, stacked)
+    # what stacked=True would add, to warn about (a user's callable filter is not asked
+    # about leaves it was never given)
+    stacks = (_make_filter(filter, True) if not stacked and (filter is None or
+                                                             isinstance(filter, str)) else None)
     skipped: list = []
+    unstacked: list = []
     eqx_types: tuple = ()
     if "equinox" in sys.modules:
         import equinox as eqx
@@ -150,7 +171,11 @@ def quantize_params(tree, format: str = "nvfp4", *, filter: Filter = None, axis=
                     scale_rounding=scale_rounding, scale_dtype=scale_dtype,
                     act_format=act_format, act_mode=act_mode, name=p)
             return leaf  # embeddings, already-quantized layers
-        if isinstance(leaf, QArray) or not pred(p, leaf):
+        if isinstance(leaf, QArray):
+            return leaf
+        if not pred(p, leaf):
+            if stacks is not None and stacks(p, leaf):
+                unstacked.append(f"{p} {tuple(leaf.shape)}")
             return leaf
         return _quantize_leaf(p, leaf, f, kw, axis, strict, skipped)
 
@@ -164,6 +189,11 @@ def quantize_params(tree, format: str = "nvfp4", *, filter: Filter = None, axis=
     if skipped:
         warnings.warn(f"quantize_params: left {len(skipped)} kernel(s) unquantized: "
                       + ", ".join(skipped), stacklevel=2)
+    if unstacked:
+        warnings.warn(f"quantize_params: left {len(unstacked)} selected leaf / leaves of more "
+                      f"than 2 axes unquantized (layers stacked by a scanned model: pass "
+                      f"stacked=True; convolution kernels stay float): "
+                      + ", ".join(unstacked), stacklevel=2)
     return _prepared(out) if prepare else out
 
 
