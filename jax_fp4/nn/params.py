@@ -132,7 +132,7 @@ def _quantize_leaf(path, leaf, f, kw, axis, strict, skipped):
     stack of layers' (2-D) kernels on its leading axes: each is quantized on its own
     (``jax.vmap``; nvfp4: a tensor scale per layer), so that ``lax.scan`` over the leading
     axis hands each layer its own 2-D QArray; the axis rules apply to the layer's kernel."""
-    matrix = jax.ShapeDtypeStruct(tuple(leaf.shape[-2:]), leaf.dtype)
+    matrix = leaf if leaf.ndim == 2 else jax.ShapeDtypeStruct(tuple(leaf.shape[-2:]), leaf.dtype)
     ax = _resolve_axis(axis, path, matrix)
     if not _fits_block(path, f"contraction axis {ax} has length", matrix.shape[ax], f,
                        kw["block_size"], strict, skipped):
@@ -140,6 +140,7 @@ def _quantize_leaf(path, leaf, f, kw, axis, strict, skipped):
     x = jnp.asarray(leaf)
     if x.dtype == jnp.float64:
         x = x.astype(jnp.float32)
+
     def one(m):
         return quantize(m, f.name, axis=ax, **kw)
 

@@ -106,8 +106,10 @@ def quantize_params(tree, format: str = "nvfp4", *, filter: Filter = None, axis=
         prepare = prepared_layout_native()
     if method != "rtn" or calibration is not None or ptq_options is not None:
         if stacked:
-            raise ValueError(f"stacked: stacked layers are quantized by method 'rtn' only, "
-                             f"got method={method!r}")
+            raise ValueError(f"stacked: stacked layers are rounded to nearest only (method "
+                             f"'rtn', no calibration or ptq_options), got method={method!r}"
+                             + (", a calibration" if calibration is not None else "")
+                             + (", ptq_options" if ptq_options is not None else ""))
         from ..ptq.api import quantize_params_ptq
 
         out = quantize_params_ptq(tree, f.name, method=method, calibration=calibration,
