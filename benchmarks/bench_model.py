@@ -22,12 +22,17 @@ date, to RESULTS.md.
 
   python benchmarks/bench_model.py [--formats nvfp4 mxfp4 nf4 bnb_fp4 int4]
       [--ms 1 4 16 64 256 1024] [--model 8b|70b] [--layers 8] [--iters 30] [--tp 1 2] [--fsdp 2]
-      [--no-kernel-sum] [--fused] [--tiny]   (a small model for a CPU smoke run)
+      [--no-kernel-sum] [--fused] [--scan] [--tiny]   (a small model for a CPU smoke run)
 
 With `--fused` the layer stores its q / k / v kernels as one (hidden, (H + 2 G) D) kernel
 and gate / up as one (hidden, 2 MLP) kernel, as vLLM's QKVParallelLinear /
 MergedColumnParallelLinear and MaxText's fused_qkv / fused_mlp do: the same weights
 (concatenated), the same step, 5 matmuls a layer instead of 7, for bf16 and 4-bit alike.
+
+With `--scan` the layers' parameters are stacked (one array per parameter, as MaxText
+and Flax's nn.scan store a model; the 4-bit ones by `quantize_params(..., stacked=True)`)
+and the step runs them under `lax.scan`: the same model and step, with fewer arrays to
+dispatch (8 layers, nvfp4: 27 instead of 202; one device).
 
 With `--tp N` the step runs Megatron-style tensor parallel over N devices (q/k/v/gate/up
 column-parallel, o/down row-parallel, the KV cache sharded by head), the QArray leaves
@@ -213,35 +218,61 @@ def attention(cfg: Config, q, k_new, v_new, k_cache, v_cache):
     return o.astype(q.dtype).reshape(b, t, cfg.heads * cfg.head_dim)
 
 
+def stack_layers(params):
+    """--scan: the model scanned over its layers, as MaxText and Flax's nn.scan store it:
+    each parameter of the layers stacked on a leading axis (one array per parameter, not
+    per layer)."""
+    return {"layers": jax.tree.map(lambda *a: jnp.stack(a), *params["layers"]),
+            "norm": params["norm"]}
+
+
+def stack_cache(cache):
+    """--scan: the KV cache as one (k, v) pair of (layers, B, kv_heads, context, head_dim)
+    arrays."""
+    return tuple(jnp.stack(c) for c in zip(*cache))
+
+
+def decoder_layer(cfg: Config, x, layer, kv, b, t, pos):
+    """One layer of the step on x (M, hidden); kv: its (k, v) cache."""
+    h = rms_norm(x, layer["attn_norm"])
+    qd, kd = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    q, k, v = project(h, layer, "wqkv", (qd, kd, kd))
+    q = q.reshape(b, t, cfg.heads, cfg.head_dim)
+    k = k.reshape(b, t, cfg.kv_heads, cfg.head_dim)
+    v = v.reshape(b, t, cfg.kv_heads, cfg.head_dim)
+    o = attention(cfg, rope(q, pos), rope(k, pos), v, *kv)
+    x = x + dense(o.reshape(b * t, -1), layer["wo"]["kernel"])
+    h = rms_norm(x, layer["mlp_norm"])
+    gate, up = project(h, layer, "w_gate_up", (cfg.ffn, cfg.ffn))
+    return x + dense((jax.nn.silu(gate.astype(jnp.float32)) * up).astype(h.dtype),
+                     layer["w_down"]["kernel"])
+
+
 def step(cfg: Config, params, cache, x):
     """One decoder step: x (B, T, hidden) bf16 -> (B, T, hidden). The projections see the
-    activations as (M = B * T, hidden) rows, as a serving engine batches them."""
+    activations as (M = B * T, hidden) rows, as a serving engine batches them. Layers as a
+    list run one after another; stacked (stack_layers) under ``lax.scan``."""
     b, t, hidden = x.shape
     x = x.reshape(b * t, hidden)
     pos = cfg.context + jnp.arange(t, dtype=jnp.float32)
-    for i, layer in enumerate(params["layers"]):
-        h = rms_norm(x, layer["attn_norm"])
-        qd, kd = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-        q, k, v = project(h, layer, "wqkv", (qd, kd, kd))
-        q = q.reshape(b, t, cfg.heads, cfg.head_dim)
-        k = k.reshape(b, t, cfg.kv_heads, cfg.head_dim)
-        v = v.reshape(b, t, cfg.kv_heads, cfg.head_dim)
-        o = attention(cfg, rope(q, pos), rope(k, pos), v, *cache[i])
-        x = x + dense(o.reshape(b * t, -1), layer["wo"]["kernel"])
-        h = rms_norm(x, layer["mlp_norm"])
-        gate, up = project(h, layer, "w_gate_up", (cfg.ffn, cfg.ffn))
-        x = x + dense((jax.nn.silu(gate.astype(jnp.float32)) * up).astype(h.dtype),
-                      layer["w_down"]["kernel"])
+    if isinstance(params["layers"], dict):
+        x = jax.lax.scan(lambda x, lc: (decoder_layer(cfg, x, *lc, b, t, pos), None), x,
+                         (params["layers"], cache))[0]
+    else:
+        for layer, kv in zip(params["layers"], cache):
+            x = decoder_layer(cfg, x, layer, kv, b, t, pos)
     # Llama's final RMSNorm (before the LM head, not modelled): it also keeps a decode
     # loop that feeds each step's output back as x bounded
     return rms_norm(x, params["norm"]).reshape(b, t, hidden)
 
 
 def quantized(params, fmt):
-    """The 4-bit model a user gets: quantize_params with its defaults."""
+    """The 4-bit model a user gets: quantize_params with its defaults (stacked layers:
+    each layer quantized on its own, ``stacked=True``)."""
     if fmt == "bf16":
         return params
-    q = jax.jit(lambda p: jf.nn.quantize_params(p, fmt))(params)
+    stacked = isinstance(params["layers"], dict)
+    q = jax.jit(lambda p: jf.nn.quantize_params(p, fmt, stacked=stacked))(params)
     return jax.block_until_ready(q)
 
 
@@ -358,6 +389,8 @@ def run(args):
     params = init_params(cfg, key)
     if args.fused:
         params = fuse_projections(params)
+    if args.scan:
+        params = stack_layers(params)
     rows = []
     models = {}
     for fmt in ["bf16", *args.formats]:
@@ -375,6 +408,8 @@ def run(args):
         for m in args.ms:
             b, t = cfg.batch(m)
             cache = init_cache(cfg, b, jax.random.fold_in(key, 1000 + m))
+            if args.scan:
+                cache = stack_cache(cache)
             x = jax.random.normal(jax.random.fold_in(key, 2000 + m), (b, t, cfg.hidden),
                                   jnp.bfloat16)
             cache_bytes = tree_nbytes(cache)
@@ -487,6 +522,8 @@ def main(argv=None):
                     help="FSDP degrees to measure (weights sharded at rest, gathered at use)")
     ap.add_argument("--tiny", action="store_true", help="a small model (CPU smoke run)")
     ap.add_argument("--no-kernel-sum", action="store_true")
+    ap.add_argument("--scan", action="store_true",
+                    help="layers stacked and run under lax.scan (one array per parameter)")
     ap.add_argument("--fused", action="store_true",
                     help="q/k/v and gate/up as one kernel each (fuse_projections)")
     ap.add_argument("--results", default=os.path.join(os.path.dirname(__file__), "RESULTS.md"))
@@ -498,6 +535,9 @@ def main(argv=None):
         # a fused kernel split over devices would need its q / k / v columns grouped per
         # device (Megatron's layout); these layouts are measured unfused
         ap.error(f"--fused runs on one device: got --tp {args.tp} --fsdp {args.fsdp}")
+    if args.scan and (args.fsdp or any(n > 1 for n in args.tp)):
+        # the layouts' shardings are written for a list of layers
+        ap.error(f"--scan runs on one device: got --tp {args.tp} --fsdp {args.fsdp}")
     for f in args.formats:
         jf.get_format(f)  # unknown names fail before any work
     cfg, rows = run(args)

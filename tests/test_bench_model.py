@@ -90,6 +90,43 @@ def test_fused_projections_is_the_same_model():
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 0.3
 
 
+def test_scanned_layers_is_the_same_model():
+    # --scan: the layers' parameters and caches stacked and run under lax.scan; the same
+    # function per layer (bf16 and 4-bit: quantize_params(stacked=True) quantizes each
+    # layer as the list's quantize_params does), and far fewer arrays to dispatch
+    cfg = bench_model.TINY
+    params = bench_model.init_params(cfg, jax.random.key(0))
+    b, t = cfg.batch(8)
+    cache = bench_model.init_cache(cfg, b, jax.random.key(1))
+    x = jax.random.normal(jax.random.key(2), (b, t, cfg.hidden), jnp.bfloat16)
+    stacked, scache = bench_model.stack_layers(params), bench_model.stack_cache(cache)
+    assert stacked["layers"]["wq"]["kernel"].shape == (cfg.layers, cfg.hidden,
+                                                       cfg.heads * cfg.head_dim)
+    assert scache[0].shape == (cfg.layers, b, cfg.kv_heads, cfg.context, cfg.head_dim)
+    step = jax.jit(lambda p, c, x: bench_model.step(cfg, p, c, x))
+    for fmt in ("bf16", "nvfp4"):
+        listed, scanned = bench_model.quantized(params, fmt), bench_model.quantized(stacked, fmt)
+        ref = np.asarray(step(listed, cache, x), np.float32)
+        got = np.asarray(step(scanned, scache, x), np.float32)
+        # the same dots per layer; bf16 roundings of differently fused code may differ by
+        # an ulp here and there, a wrong layer or cache order moves the output by ~100%
+        assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 2e-2, fmt
+        assert (len(jax.tree.leaves((scanned, scache))) * cfg.layers // 2
+                < len(jax.tree.leaves((listed, cache))))
+    q = bench_model.quantized(stacked, "nvfp4")["layers"]["wq"]["kernel"]
+    assert isinstance(q, jf.QArray) and q.tensor_scale.shape == (cfg.layers,)
+
+
+def test_bench_model_scan_runs_and_rejects_several_devices(tmp_path, capsys):
+    rows = bench_model.main(["--tiny", "--scan", "--ms", "4", "--iters", "2", "--formats",
+                             "int4", "--no-kernel-sum", "--results", str(tmp_path / "r.md")])
+    assert {(r["fmt"], r["m"]) for r in rows} == {("bf16", 4), ("int4", 4)}
+    with pytest.raises(SystemExit) as e:
+        bench_model.main(["--tiny", "--scan", "--tp", "2", "--no-append"])
+    assert e.value.code == 2
+    assert "--scan runs on one device: got --tp [2]" in capsys.readouterr().err
+
+
 def test_bench_model_fused_rejects_several_devices(capsys):
     with pytest.raises(SystemExit) as e:
         bench_model.main(["--tiny", "--fused", "--tp", "1", "2", "--no-append"])
