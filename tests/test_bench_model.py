@@ -46,13 +46,18 @@ def test_bench_model_heading_carries_xla_flags(tmp_path, monkeypatch):
     assert f"`XLA_FLAGS={flags} python3 benchmarks/bench_model.py --tiny" in out.read_text()
 
 
-def test_decoder_step_quantized_close_to_bf16():
+def _tiny():
+    """The tiny model at M = 8: (cfg, bf16 params, KV cache, x, the jitted step)."""
     cfg = bench_model.TINY
     params = bench_model.init_params(cfg, jax.random.key(0))
     b, t = cfg.batch(8)
     cache = bench_model.init_cache(cfg, b, jax.random.key(1))
     x = jax.random.normal(jax.random.key(2), (b, t, cfg.hidden), jnp.bfloat16)
-    step = jax.jit(lambda p, c, x: bench_model.step(cfg, p, c, x))
+    return cfg, params, cache, x, jax.jit(lambda p, c, x: bench_model.step(cfg, p, c, x))
+
+
+def test_decoder_step_quantized_close_to_bf16():
+    cfg, params, cache, x, step = _tiny()
     ref = np.asarray(step(params, cache, x), np.float32)
     q = bench_model.quantized(params, "nvfp4")
     assert isinstance(q["layers"][0]["wq"]["kernel"], jf.QArray)
@@ -66,17 +71,12 @@ def test_decoder_step_quantized_close_to_bf16():
 def test_fused_projections_is_the_same_model():
     # --fused: q / k / v and gate / up concatenated into one kernel each; the step must
     # compute the same function (bf16: the same dots over the same columns)
-    cfg = bench_model.TINY
-    params = bench_model.init_params(cfg, jax.random.key(0))
+    cfg, params, cache, x, step = _tiny()
     fused = bench_model.fuse_projections(params)
     layer = fused["layers"][0]
     assert {"wq", "wk", "wv", "w_gate", "w_up"}.isdisjoint(layer)
     assert layer["wqkv"]["kernel"].shape == (cfg.hidden, (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim)
     assert layer["w_gate_up"]["kernel"].shape == (cfg.hidden, 2 * cfg.ffn)
-    b, t = cfg.batch(8)
-    cache = bench_model.init_cache(cfg, b, jax.random.key(1))
-    x = jax.random.normal(jax.random.key(2), (b, t, cfg.hidden), jnp.bfloat16)
-    step = jax.jit(lambda p, c, x: bench_model.step(cfg, p, c, x))
     ref = np.asarray(step(params, cache, x), np.float32)
     got = np.asarray(step(fused, cache, x), np.float32)
     # bf16 outputs of differently tiled dots differ by an ulp here and there (~0.4%); a
@@ -94,16 +94,12 @@ def test_scanned_layers_is_the_same_model():
     # --scan: the layers' parameters and caches stacked and run under lax.scan; the same
     # function per layer (bf16 and 4-bit: quantize_params(stacked=True) quantizes each
     # layer as the list's quantize_params does), and far fewer arrays to dispatch
-    cfg = bench_model.TINY
-    params = bench_model.init_params(cfg, jax.random.key(0))
-    b, t = cfg.batch(8)
-    cache = bench_model.init_cache(cfg, b, jax.random.key(1))
-    x = jax.random.normal(jax.random.key(2), (b, t, cfg.hidden), jnp.bfloat16)
+    cfg, params, cache, x, step = _tiny()
+    b = x.shape[0]
     stacked, scache = bench_model.stack_layers(params), bench_model.stack_cache(cache)
     assert stacked["layers"]["wq"]["kernel"].shape == (cfg.layers, cfg.hidden,
                                                        cfg.heads * cfg.head_dim)
     assert scache[0].shape == (cfg.layers, b, cfg.kv_heads, cfg.context, cfg.head_dim)
-    step = jax.jit(lambda p, c, x: bench_model.step(cfg, p, c, x))
     for fmt in ("bf16", "nvfp4"):
         listed, scanned = bench_model.quantized(params, fmt), bench_model.quantized(stacked, fmt)
         ref = np.asarray(step(listed, cache, x), np.float32)
