@@ -18,6 +18,7 @@ import jax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from .layout import untile_weight
+from .prims import all_reduce
 from .qarray import QArray
 
 __all__ = ["qarray_partition_specs", "shard_qarray", "named_shardings", "quantized_specs",
@@ -280,11 +281,9 @@ def with_out_sharding(y, out_sharding):
     return jax.sharding.reshard(y, out_sharding)
 
 
-# XLA's collectives, and the FFI target of jax-fp4's in-graph all-reduce
-# (jax_fp4.prims.all_reduce.TARGET; not imported: that module loads the extension)
+# XLA's collectives (jax-fp4's in-graph all-reduce is a custom call to all_reduce.TARGET)
 _COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
                 "collective-permute")
-_IN_GRAPH_TARGET = "jax_fp4_all_reduce_v1"
 # one HLO instruction: "%name = TYPE opcode(...": the opcode is the first word followed by
 # "(" after the result type (a type never holds one: "f32[8]{0}", "(f32[], u32[])")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+ = (.+?) ([a-z][\w\-]*)\(")
@@ -356,6 +355,6 @@ def collectives(program: Union[str, Any]) -> list:
         kind = op[:-len("-done")] if op.endswith("-done") else op
         if kind in _COLLECTIVES:
             found.append(Collective(kind, type_))
-        elif op == "custom-call" and f'custom_call_target="{_IN_GRAPH_TARGET}"' in line:
+        elif op == "custom-call" and f'custom_call_target="{all_reduce.TARGET}"' in line:
             found.append(Collective("in-graph all-reduce", type_))
     return found
