@@ -9,6 +9,15 @@ optimisation, so the compiled HLO text never shows them). Run it under different
 to compare, e.g. `--xla_gpu_enable_command_buffer=` (none) against XLA's default.
 
   python benchmarks/step_overhead.py [--m 1] [--formats nvfp4 int4] [--layers 8] [--no-trace]
+      [--jit-loop] [--loop-trace]
+
+`--jit-loop` adds the decode loop written inside the jit (`lax.fori_loop` over the steps:
+one call, one host dispatch, per 30 tokens), for the host's part of a Python decode loop
+by difference. `--loop-trace` adds a profiler trace of the decode loop itself, with XLA's command buffers
+kept on while profiling (XLA otherwise runs the thunks one by one under a profiler): the
+host's events per step (XLA's command-buffer updates and executions, the CUDA API calls,
+jax-fp4's FFI handlers among them), the time the host spends per step outside the GPU's
+pace.
 """
 import argparse
 import collections
@@ -66,6 +75,61 @@ def trace_events(fn, args, calls=5):
             {k: (kern_n[k], us) for k, us in kern_us.most_common(16)})
 
 
+def loop_trace(fn, args, iters=20):
+    """({host event name: (count, microseconds) per step} of a profiler trace of a decode
+    loop (bench_model.wall_times' loop: each step's output the next one's x, one block at
+    the end), the loop's wall time per step under the trace, the seconds each call of an
+    untraced loop took to return: whether the host runs ahead of the GPU or is held to its
+    pace)."""
+    from jax.profiler import ProfileData
+
+    p, c, x = args
+    y = x
+    for _ in range(3):
+        y = fn(p, c, y)
+    jax.block_until_ready(y)
+    returns, y = [], x
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        y = fn(p, c, y)
+        returns.append(time.perf_counter() - t0)
+    jax.block_until_ready(y)
+    d = tempfile.mkdtemp()
+    with jax.profiler.trace(d):
+        t0 = time.perf_counter()
+        y = x
+        for _ in range(iters):
+            y = fn(p, c, y)
+        jax.block_until_ready(y)
+        wall = (time.perf_counter() - t0) / iters
+    path = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)[0]
+    us, n = collections.Counter(), collections.Counter()
+    for plane in ProfileData.from_file(path).planes:
+        if plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            for e in line.events:
+                us[e.name[:70]] += e.duration_ns / 1e3 / iters
+                n[e.name[:70]] += 1 / iters
+    return {k: (n[k], v) for k, v in us.most_common(45)}, wall, returns
+
+
+def jit_loop(cfg, args, iters=30, loops=3):
+    """Seconds per step of `iters` decode steps inside one jitted `lax.fori_loop` (each
+    step's output the next one's x), median of `loops` calls: the GPU's pace without a
+    host dispatch per step."""
+    p, c, x = args
+    fn = jax.jit(lambda p, c, x: jax.lax.fori_loop(
+        0, iters, lambda i, y: bench_model.step(cfg, p, c, y), x))
+    jax.block_until_ready(fn(p, c, x))
+    ts = []
+    for _ in range(loops):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(p, c, x))
+        ts.append((time.perf_counter() - t0) / iters)
+    return statistics.median(ts)
+
+
 def back_to_back(fn, args, iters=30):
     """Wall time per step of `iters` calls on the same inputs dispatched back to back, every
     output kept alive until the end (unlike bench_model's decode loop, where only two
@@ -83,7 +147,14 @@ def main():
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--no-trace", action="store_true",
                     help="skip the profiler (kernel sum, events): wall times only")
+    ap.add_argument("--jit-loop", action="store_true",
+                    help="also time the decode loop inside the jit (lax.fori_loop)")
+    ap.add_argument("--loop-trace", action="store_true",
+                    help="also trace the decode loop's host events, command buffers on")
     args = ap.parse_args()
+    if args.loop_trace:  # read when the GPU client starts, i.e. at the first computation
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   " --xla_enable_command_buffers_during_profiling=true")
     cfg = bench_model.Config(layers=args.layers)
     params = bench_model.init_params(cfg, jax.random.key(0))
     b, t = cfg.batch(args.m)
@@ -117,6 +188,16 @@ def main():
             print(f"#   host {us:9.1f} us/step  {name}", flush=True)
         for name, (n, us) in kern.items():
             print(f"#   kernel {us:8.1f} us/step  {n:5.1f}x  {name}", flush=True)
+        if args.jit_loop:
+            print(f"{fmt:8s} decode loop inside the jit {jit_loop(cfg, fa) * 1e3:7.3f} ms/step",
+                  flush=True)
+        if args.loop_trace:
+            events, traced, returns = loop_trace(fn, fa)
+            print(f"{fmt:8s} decode loop under the trace {traced * 1e3:7.3f} ms/step; each call of "
+                  f"an untraced loop returned after (ms): "
+                  + " ".join(f"{r * 1e3:.2f}" for r in returns), flush=True)
+            for name, (n, us) in events.items():
+                print(f"#   loop host {us:9.1f} us/step  {n:6.1f}x  {name}", flush=True)
 
 
 if __name__ == "__main__":

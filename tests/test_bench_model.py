@@ -178,3 +178,17 @@ def test_bench_model_one_and_two_devices_in_one_run(tmp_path):
     for part in ("**1 device**", "**TP=2**", "**FSDP=2**", "**Speed-up over one device**",
                  "| TP=2 | 4 |", "| FSDP=2 | 4 |"):
         assert part in text, part
+
+
+def test_step_overhead_loop_diagnostics():
+    # step_overhead.py's decode loop inside the jit and the loop trace: the per-step times,
+    # each call's return time, and the host's events, the executable's run once per step
+    import step_overhead
+
+    cfg, params, cache, x, step = _tiny()
+    p = bench_model.quantized(params, "int4")
+    assert step_overhead.jit_loop(cfg, (p, cache, x), iters=3, loops=1) > 0
+    events, traced, returns = step_overhead.loop_trace(step, (p, cache, x), iters=4)
+    assert traced > 0 and len(returns) == 4 and all(r > 0 for r in returns)
+    run = events["CommonPjRtLoadedExecutable::ExecuteHelperOnSingleDevice"]
+    assert run[0] == pytest.approx(1.0) and run[1] > 0
