@@ -32,7 +32,9 @@ MergedColumnParallelLinear and MaxText's fused_qkv / fused_mlp do: the same weig
 With `--scan` the layers' parameters are stacked (one array per parameter, as MaxText
 and Flax's nn.scan store a model; the 4-bit ones by `quantize_params(..., stacked=True)`)
 and the step runs them under `lax.scan`: the same model and step, with fewer arrays to
-dispatch (8 layers, nvfp4: 27 instead of 202; one device).
+pass (8 layers, nvfp4: 27 instead of 202; one device). XLA then copies each layer's bf16
+kernels out of the stack every step, where the W4A16 calls read their slice in place
+(RESULTS.md table AJ).
 
 With `--tp N` the step runs Megatron-style tensor parallel over N devices (q/k/v/gate/up
 column-parallel, o/down row-parallel, the KV cache sharded by head), the QArray leaves
