@@ -12,12 +12,12 @@ to compare, e.g. `--xla_gpu_enable_command_buffer=` (none) against XLA's default
       [--jit-loop] [--loop-trace]
 
 `--jit-loop` adds the decode loop written inside the jit (`lax.fori_loop` over the steps:
-one call, one host dispatch, per 30 tokens), for the host's part of a Python decode loop
-by difference. `--loop-trace` adds a profiler trace of the decode loop itself, with XLA's command buffers
-kept on while profiling (XLA otherwise runs the thunks one by one under a profiler): the
-host's events per step (XLA's command-buffer updates and executions, the CUDA API calls,
-jax-fp4's FFI handlers among them), the time the host spends per step outside the GPU's
-pace.
+one call, one host dispatch, per 30 tokens): the GPU's pace, and by difference the host's
+part of a Python decode loop. `--loop-trace` adds each call's return time in a Python
+decode loop (calls returning at the loop's pace: the host sets it) and a profiler trace
+of that loop with XLA's command buffers kept on (under a profiler XLA otherwise runs the
+thunks one by one): the host's events per step, XLA's command-buffer update and launch
+(`cuGraphLaunch`) and the argument handling among them.
 """
 import argparse
 import collections
