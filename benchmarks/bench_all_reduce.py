@@ -10,9 +10,8 @@ kernel durations of the in-graph kernel (median over 5 steps, per GPU).
     python3 benchmarks/bench_all_reduce.py [--n 4096 65536] [--rounds 16]
 """
 import argparse
-import glob
 import os
-import tempfile
+import sys
 import time
 
 import jax
@@ -21,6 +20,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_fp4.prims import all_reduce
+
+sys.path.insert(0, os.path.dirname(__file__))
+import bench_quant  # noqa: E402
 
 
 def step(kind, mesh, rounds):
@@ -52,17 +54,16 @@ def loop_seconds(f, y, steps=100):
 
 
 def kernel_us(f, y, calls=5):
-    from jax.profiler import ProfileData
-
     jax.block_until_ready(f(y))
-    d = tempfile.mkdtemp()
-    with jax.profiler.trace(d):
+
+    def run(y=y):
         for _ in range(calls):
             y = f(y)
-        jax.block_until_ready(y)
-    path = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)[0]
+        return jax.block_until_ready(y)
+
+    _, planes, _ = bench_quant.profile(run)
     out = {}
-    for plane in ProfileData.from_file(path).planes:
+    for plane in planes:
         if plane.name.startswith("/device:GPU"):
             ns = [e.duration_ns for line in plane.lines if line.name.startswith("Stream")
                   for e in line.events if "all_reduce_kernel" in e.name]

@@ -30,20 +30,27 @@ import jax_fp4 as jf
 L2_BYTES = 60 << 20
 
 
+def profile(run):
+    """(result of run(), the planes of a JAX profiler trace taken around it (host threads
+    and, on GPUs, "/device:GPU:k" planes whose "Stream" lines hold the kernels), the
+    trace's .xplane.pb path)."""
+    from jax.profiler import ProfileData
+
+    d = tempfile.mkdtemp()
+    with jax.profiler.trace(d):
+        result = run()
+    path = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)[0]
+    return result, list(ProfileData.from_file(path).planes), path
+
+
 def kernel_times(fn, args, calls=5):
     """{kernel name (first 80 characters): seconds per call} of fn(*args): the durations
     of the kernel, memset and memcpy events on the device's stream lines of a JAX profiler
     trace of `calls` calls (every GPU of the trace together)."""
-    from jax.profiler import ProfileData
-
     jax.block_until_ready(fn(*args))  # compile + warm up
-    d = tempfile.mkdtemp()
-    with jax.profiler.trace(d):
-        for _ in range(calls):
-            jax.block_until_ready(fn(*args))
-    path = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)[0]
+    _, planes, path = profile(lambda: [jax.block_until_ready(fn(*args)) for _ in range(calls)])
     per_kernel = {}
-    for plane in ProfileData.from_file(path).planes:
+    for plane in planes:
         if not plane.name.startswith("/device:GPU"):
             continue
         for line in plane.lines:  # "Stream #k(...)": the CUPTI activity of one stream
@@ -51,7 +58,7 @@ def kernel_times(fn, args, calls=5):
                 for e in line.events:
                     per_kernel[e.name[:80]] = per_kernel.get(e.name[:80], 0.0) + e.duration_ns
     if not per_kernel:
-        lines = [(pl.name, [ln.name for ln in pl.lines]) for pl in ProfileData.from_file(path).planes]
+        lines = [(pl.name, [ln.name for ln in pl.lines]) for pl in planes]
         raise RuntimeError(f"no GPU stream events in the profile {path}: {lines}")
     return {name: ns * 1e-9 / calls for name, ns in per_kernel.items()}
 

@@ -21,12 +21,10 @@ thunks one by one): the host's events per step, XLA's command-buffer update and 
 """
 import argparse
 import collections
-import glob
 import os
 import re
 import statistics
 import sys
-import tempfile
 import time
 
 import jax
@@ -34,6 +32,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(__file__))
 import bench_model  # noqa: E402
+import bench_quant  # noqa: E402
 
 _GRAPH = re.compile(r"graph|command.?buffer", re.I)
 # GPU kernels that compute a projection's matmul (cuBLAS / cuBLASLt, XLA's Triton GEMMs,
@@ -47,17 +46,12 @@ def trace_events(fn, args, calls=5):
     name: microseconds per call} of the longest host events, {GPU kernel name: (count,
     microseconds) per call} of the longest kernels) from a JAX profiler trace of `calls`
     blocked calls."""
-    from jax.profiler import ProfileData
-
     jax.block_until_ready(fn(*args))
-    d = tempfile.mkdtemp()
-    with jax.profiler.trace(d):
-        for _ in range(calls):
-            jax.block_until_ready(fn(*args))
-    path = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)[0]
+    _, planes, _ = bench_quant.profile(
+        lambda: [jax.block_until_ready(fn(*args)) for _ in range(calls)])
     n_gpu, mm_ns, graph, host_us = 0, 0.0, collections.Counter(), collections.Counter()
     kern_us, kern_n = collections.Counter(), collections.Counter()
-    for plane in ProfileData.from_file(path).planes:
+    for plane in planes:
         gpu = plane.name.startswith("/device:GPU")
         for line in plane.lines:
             for e in line.events:
@@ -81,8 +75,6 @@ def loop_trace(fn, args, iters=20):
     x, one block at the end), the loop's wall time per step under the trace, the seconds
     each call of an untraced loop took to return: whether the host runs ahead of the GPU
     or is held to its pace)."""
-    from jax.profiler import ProfileData
-
     p, c, x = args
     y = x
     for _ in range(3):
@@ -94,17 +86,16 @@ def loop_trace(fn, args, iters=20):
         y = fn(p, c, y)
         returns.append(time.perf_counter() - t0)
     jax.block_until_ready(y)
-    d = tempfile.mkdtemp()
-    with jax.profiler.trace(d):
-        t0 = time.perf_counter()
-        y = x
+    def loop():
+        t0, y = time.perf_counter(), x
         for _ in range(iters):
             y = fn(p, c, y)
         jax.block_until_ready(y)
-        wall = (time.perf_counter() - t0) / iters
-    path = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)[0]
+        return (time.perf_counter() - t0) / iters
+
+    wall, planes, _ = bench_quant.profile(loop)
     us, n = collections.Counter(), collections.Counter()
-    for plane in ProfileData.from_file(path).planes:
+    for plane in planes:
         if plane.name.startswith("/device:GPU"):
             continue
         for line in plane.lines:
