@@ -85,6 +85,15 @@ cudaError_t launch_wgmma(cudaStream_t stream, const uint16_t* xp, const uint8_t*
   // would not zero-fill: its 64-byte blocks lie inside the row) one 2-D box of 128 rows x
   // 64 bytes per step.
   WParams q = p;
+  if (q.g.count == 0) {  // one weight: the call's
+    q.g.count = 1;
+    q.g.end[0] = p.N;
+    q.g.codes[0] = cp;
+    q.g.scales[0] = sp;
+    q.g.zeros[0] = zp;
+    q.g.ts[0] = tp;
+  }
+  if (q.g.count > 1 && (!tiled || p.cluster != 1)) return cudaErrorInvalidValue;  // (WMembers)
   constexpr int kSub = wg_sub<FMT, BITS, BN>();
   q.stage_codes = !tiled && kSub > 1 && p.K % kWgStepK == 0;
   CUtensorMap s_map = {}, z_map = {};
@@ -96,9 +105,11 @@ cudaError_t launch_wgmma(cudaStream_t stream, const uint16_t* xp, const uint8_t*
     if (p.bs > kWgStepK || (wg_tile_scale_row<FMT>() && q.tile_srow != wg_tile_scale_row<FMT>()) ||
         kWgRows * (q.tile_srow + q.tile_zrow) > wg_tiled_side_bytes<FMT, BITS, BN>() / wg_sub<FMT, BITS, BN, true>())
       return cudaErrorInvalidValue;  // not a layout of jax_fp4.layout.tileable
-    if (reinterpret_cast<uintptr_t>(cp) % 16 != 0 || reinterpret_cast<uintptr_t>(sp) % 16 != 0 ||
-        (FMT == kINT4 && reinterpret_cast<uintptr_t>(zp) % 16 != 0))
-      return cudaErrorMisalignedAddress;
+    for (int i = 0; i < q.g.count; ++i)
+      if (reinterpret_cast<uintptr_t>(q.g.codes[i]) % 16 != 0 ||
+          reinterpret_cast<uintptr_t>(q.g.scales[i]) % 16 != 0 ||
+          (FMT == kINT4 && reinterpret_cast<uintptr_t>(q.g.zeros[i]) % 16 != 0))
+        return cudaErrorMisalignedAddress;
   } else if (e == cudaSuccess && q.stage_codes) {
     const cuuint64_t dims[3] = {kWgStepK / 2, static_cast<cuuint64_t>(p.N), static_cast<cuuint64_t>(p.K / kWgStepK)};
     const cuuint64_t strides[2] = {static_cast<cuuint64_t>(p.K / 2), kWgStepK / 2};
@@ -151,7 +162,7 @@ cudaError_t launch_wgmma(cudaStream_t stream, const uint16_t* xp, const uint8_t*
   cluster.val.clusterDim.z = 1;
   cfg.attrs = &cluster;
   cfg.numAttrs = cluster_ctas > 1 ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, kernel, x_map, w_map, s_map, z_map, cp, sp, zp, tp, out, q);
+  return cudaLaunchKernelEx(&cfg, kernel, x_map, w_map, s_map, z_map, out, q);
 }
 
 
@@ -168,6 +179,7 @@ cudaError_t launch_kernel(cudaStream_t stream, const uint16_t* xp, const uint8_t
     case 256: return launch_wgmma<FMT, BF16, BITS, 256>(stream, xp, cp, sp, zp, tp, out, p, splits);
     default: break;
   }
+  if (p.g.count > 1) return cudaErrorInvalidValue;  // grouped calls: the wgmma kernel only
   if (direct_path(p.M)) {
     const dim3 grid(static_cast<unsigned>((p.N + kDirectRowsPerCta - 1) / kDirectRowsPerCta), 1,
                     static_cast<unsigned>(splits));

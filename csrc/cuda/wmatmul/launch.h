@@ -65,6 +65,21 @@ constexpr int kWgStepK = 128;  // k per step
 // int4 in groups of 128 with 2-byte scales take 384 bytes, nf4 in blocks of 64 1 KB
 constexpr int kWgTiledSide = 2048;
 
+// The weights of one call. One, or for a grouped call (the wgmma kernel on prepared
+// weights only: ffi.cu) up to kMaxMembers weights of the same format, K and layout that
+// share x -- q / k / v, gate / up -- read as one weight whose rows are theirs in order:
+// member i holds the rows [end[i - 1], end[i]) (end[-1] = 0; whole 128-row tiles, so a
+// CTA's weight tile lies in one member) and writes the output columns of those rows.
+constexpr int kMaxMembers = 4;
+struct WMembers {
+  int count;  // 0: launch_wgmma fills member 0 from the call's pointers
+  int64_t end[kMaxMembers];
+  const uint8_t* codes[kMaxMembers];
+  const void* scales[kMaxMembers];
+  const uint8_t* zeros[kMaxMembers];
+  const float* ts[kMaxMembers];
+};
+
 struct WParams {
   int64_t M, N, K;
   int64_t x_rows;          // wgmma kernel: rows of x, M or M rounded up to tile_m (zero rows)
@@ -85,6 +100,7 @@ struct WParams {
   int tile_srow;           // prepared layout: scale bytes per row and 128-k step, and INT4's
   int tile_zrow;           // zero-point bytes (launch_wgmma; wg_tile_scale_row)
   int cluster;             // wgmma kernel at BN = 256: CTAs per cluster, 1 or 2 (x multicast)
+  WMembers g;              // wgmma kernel: the weights (N = their rows' sum)
 };
 
 // The decode paths a format has (use_bit_path; described above decode_word).
@@ -114,7 +130,8 @@ inline int use_bit_path(const WParams& p) {
 }
 
 // Pointers of one call: x (M or x_rows, K or K128) bf16 / f16 bits, the weight's codes,
-// scales, zero points and per-tensor scale(s), the output; all device memory.
+// scales, zero points and per-tensor scale(s) (a grouped call: its first member's; the
+// others in p.g), the output; all device memory.
 #define JF4_WMATMUL_ARGS                                                                  \
   cudaStream_t stream, const uint16_t *xp, const uint8_t *cp, const void *sp,             \
       const uint8_t *zp, const float *tp, void *out
@@ -122,8 +139,9 @@ inline int use_bit_path(const WParams& p) {
 // Launches the kernel of the call (format, x's dtype, decode path, tile_m) on `stream`.
 // cudaErrorNoKernelImageForDevice: tile_m > 0 without an sm_90a build or GPU
 // (prepare_wgmma); cudaErrorInvalidValue / cudaErrorMisalignedAddress: a prepared
-// (`tiled`) weight that is not a layout of jax_fp4.layout.tileable. `p` as WMatmulImpl
-// (ffi.cu) fills it, the arguments already validated.
+// (`tiled`) weight that is not a layout of jax_fp4.layout.tileable, or a grouped call
+// (p.g.count > 1) outside the wgmma kernel's prepared layout at one CTA per cluster. `p`
+// as WMatmulImpl (ffi.cu) fills it, the arguments already validated.
 cudaError_t launch_wmatmul(int fmt, bool bf16, JF4_WMATMUL_ARGS, const WParams& p, int splits,
                            int64_t tile_m);
 

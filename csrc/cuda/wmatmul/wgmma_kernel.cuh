@@ -16,8 +16,7 @@ template <int FMT, bool BF16, int BITS, int BN, bool TILED>
 __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma_kernel(
     const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap w_map,
     const __grid_constant__ CUtensorMap s_map, const __grid_constant__ CUtensorMap z_map,
-    const uint8_t* __restrict__ codes, const void* __restrict__ scales, const uint8_t* __restrict__ zeros,
-    const float* __restrict__ ts, void* __restrict__ out, const WParams p) {
+    void* __restrict__ out, const WParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kStages = wg_stages<FMT, BITS, BN, TILED>();
   constexpr bool kProducer = wg_producer<BN>();
@@ -84,11 +83,28 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
   const int m0 = static_cast<int>((gm0 + rem % gsize) * BN);  // M < 2^31 (TMA coordinate)
   const int64_t n_cta = ((rem / gsize) * ncl + rank) * kWgRows;  // may be >= N: all zeros
 
+  // the member weight (WMembers) that holds the CTA's weight tile, and the tile's first
+  // row in it: indexed at compile time, so the parameters are read in place
+  const uint8_t* codes = p.g.codes[0];
+  const void* scales = p.g.scales[0];
+  const uint8_t* zeros = p.g.zeros[0];
+  const float* ts = p.g.ts[0];
+  int64_t n_base = 0;
+#pragma unroll
+  for (int i = 1; i < kMaxMembers; ++i)
+    if (i < p.g.count && n_cta >= p.g.end[i - 1]) {
+      codes = p.g.codes[i];
+      scales = p.g.scales[i];
+      zeros = p.g.zeros[i];
+      ts = p.g.ts[i];
+      n_base = p.g.end[i - 1];
+    }
+
   const int wrow = (warp >> 2) * 64 + (warp & 3) * 16 + g;  // lane's first row in the CTA
   const int64_t n_warp = n_cta + wrow - g;
-  const Rows rows = make_rows<FMT>(codes, scales, zeros, n_warp + g, p);
+  const Rows rows = make_rows<FMT>(codes, scales, zeros, n_warp - n_base + g, p);
   float tsv[1][2];  // one 16-row tile per warp
-  load_tensor_scales<1>(ts, n_warp + g, p, tsv);
+  load_tensor_scales<1>(ts, n_warp - n_base + g, p, tsv);
   const bool rows_inside = n_warp + 16 <= p.N;
 
   int step_begin, step_end;
@@ -111,7 +127,7 @@ __global__ void __launch_bounds__(wg_threads<BN>(), wg_ctas<BN>()) wmatmul_wgmma
   const int srow = !tiled ? kBoxCols : wg_tile_scale_row<FMT>() ? wg_tile_scale_row<FMT>() : p.tile_srow;
   const int zrow = !tiled ? kBoxCols : FMT == kINT4 ? p.tile_zrow : 0;
   const int tile_sbytes = kWgRows * srow, tile_zbytes = kWgRows * zrow;
-  const int64_t tile0 = (n_cta / kWgRows) * p.n_steps;  // the CTA's weight tile's first step
+  const int64_t tile0 = ((n_cta - n_base) / kWgRows) * p.n_steps;  // the CTA's weight tile's first step
   const uint8_t* tile_codes = codes + tile0 * kWgCodeBytes;
   const uint8_t* tile_scales = static_cast<const uint8_t*>(scales) + tile0 * tile_sbytes;
   const uint8_t* tile_zeros = zeros + tile0 * tile_zbytes;
