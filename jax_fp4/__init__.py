@@ -6,6 +6,7 @@ semantics; CPU (C++) and CUDA kernels registered as XLA FFI targets match it bit
 """
 from . import _ext, formats, reference, sharding
 from .formats import FORMAT_NAMES, Format, get_format
+from .grouping import group_matmuls
 from .ops import (dequantize, dot_general, fake_quantize, from_blocked, matmul, prepare,
                   quantize, scaled_matmul, scaled_matmul_operands, tensor_scale_from_amax,
                   to_blocked, unprepare)
@@ -50,7 +51,7 @@ def export_disabled_checks() -> list:
 __all__ = [
     "QArray", "Format", "FORMAT_NAMES", "get_format", "quantize", "dequantize",
     "fake_quantize", "tensor_scale_from_amax", "dot_general", "matmul", "prepare",
-    "unprepare", "scaled_matmul",
+    "unprepare", "scaled_matmul", "group_matmuls",
     "scaled_matmul_operands",
     "to_blocked", "from_blocked", "set_backend", "get_backend", "capabilities", "formats",
     "export_disabled_checks",

@@ -51,6 +51,10 @@ Rules that follow (the canonical view, rows x K, blocked axis last):
     sequence parallelism, or columns) over mesh axes that K was sharded on, a
     ``psum_scatter`` on that dimension instead: each device receives only its slice of
     the sum (:func:`_scatter`).
+  * wmatmul_group (several W4A16 weights of one x, jax_fp4.group_matmuls): as wmatmul for
+    each weight, whose rows are a factor of their own; the weights may split their rows
+    over the same mesh axes (factors that share no operand or result may share axes),
+    and with K sharded each output's partials are summed (never scattered).
   * scaled_matmul (D = alpha A B^T + bias): as wmatmul; with K sharded the bias is added
     once, after the ``psum`` (or ``psum_scatter``: then each device's slice of it).
 A sharding outside these rules (K not at whole blocks, M and N on the same mesh axis, a
@@ -172,17 +176,25 @@ def _auto_tensor_scale_layout(params, in_shapes, out_shapes):
 
 
 def _wmatmul_layout(params, in_shapes, out_shapes):
+    """x (M, K), then codes, scales, zeros, ts of one weight -- or, for the grouped call,
+    of each weight i, with its own rows factor n{i} -- and y (M, N_i) per weight."""
     f = get_format(params["fmt"])
     xk, ck, sk, fixed = _blocked(f, params["block_size"])
     fixed = set(fixed)
-    tiles = params["tiled"] and in_shapes[1][0] % _TILE_ROWS == 0
-    if params["tiled"]:  # K interleaved within tiles; N at whole tiles where it has them
-        fixed |= {"k"} if tiles else {"k", "n"}
-    m, n = ("m", 1), ("n", _TILE_ROWS if tiles else 1)
-    # the per-tensor scale: one per weight row (N,), or one for the whole weight (1,)
-    ts = (n,) if in_shapes[4][0] == in_shapes[1][0] else (None,)
-    return Layout([(m, xk), (n, ck), (n, sk), _zeros_dims(f, n), ts], [(m, n)],
-                  fixed=fixed, reduce=("k",))
+    m = ("m", 1)
+    ins, outs = [(m, xk)], []
+    for i in range(len(out_shapes)):
+        codes, ts_shape = in_shapes[1 + 4 * i], in_shapes[4 + 4 * i]
+        name = "n" if len(out_shapes) == 1 else f"n{i}"
+        tiles = params["tiled"] and codes[0] % _TILE_ROWS == 0
+        if params["tiled"]:  # K interleaved within tiles; N at whole tiles where it has them
+            fixed |= {"k"} if tiles else {"k", name}
+        n = (name, _TILE_ROWS if tiles else 1)
+        # the per-tensor scale: one per weight row (N,), or one for the whole weight (1,)
+        ts = (n,) if ts_shape[0] == codes[0] else (None,)
+        ins += [(n, ck), (n, sk), _zeros_dims(f, n), ts]
+        outs.append((m, n))
+    return Layout(ins, outs, fixed=fixed, reduce=("k",))
 
 
 def _scaled_matmul_layout(params, in_shapes, out_shapes):
@@ -237,6 +249,9 @@ def _body(name, local, params, args, axes, scatter, mesh):
     if name == "jax_fp4_weight_matmul":
         y = local.bind(*args, **dict(params, out_dtype=np.dtype(np.float32)))
         return _combine(y, axes, scatter, mesh, out_dtype)
+    if name == "jax_fp4_weight_matmul_group":  # (results are never scattered: _scatter)
+        ys = local.bind(*args, **dict(params, out_dtype=np.dtype(np.float32)))
+        return [_combine(y, axes, {}, mesh, out_dtype) for y in ys]
     if name == "jax_fp4_scaled_matmul":
         # the bias is added once, to the sum; with N scattered it arrives as this
         # device's slice (:func:`_partition`)
@@ -254,6 +269,7 @@ _LAYOUTS = {
     "jax_fp4_fake_quantize": _fake_quantize_layout,
     "jax_fp4_auto_tensor_scale": _auto_tensor_scale_layout,
     "jax_fp4_weight_matmul": _wmatmul_layout,
+    "jax_fp4_weight_matmul_group": _wmatmul_layout,
     "jax_fp4_scaled_matmul": _scaled_matmul_layout,
 }
 
@@ -273,8 +289,14 @@ def _spec_entry(axes):
 def _choose(layout, sizes, mesh, shardings):
     """factor -> mesh axes: for each factor, the axes its first sharded dimension (operands
     first, then results) is split over, where the op supports it (not fixed, divides the
-    factor, no mesh axis used twice)."""
-    chosen, used = {}, set()
+    factor, no mesh axis used by a factor that shares an operand or result with it: the
+    rows of the weights of a grouped call may each split over the same axes)."""
+    chosen = {}
+    peers = {}
+    for dims in layout.ins + layout.outs:
+        names = {e[0] for e in dims if e is not None}
+        for f in names:
+            peers.setdefault(f, set()).update(names - {f})
     for dims, sharding in zip(layout.ins + layout.outs, shardings):
         spec = getattr(sharding, "spec", None)
         if spec is None:
@@ -284,12 +306,12 @@ def _choose(layout, sizes, mesh, shardings):
                 continue
             f = entry[0]
             axes = _spec_axes(spec[d])
+            used = {a for h in peers[f] for a in chosen.get(h, ())}
             if f in chosen or f in layout.fixed or not axes or used & set(axes):
                 continue
             if sizes[f] % math.prod(mesh.shape[a] for a in axes):
                 continue
             chosen[f] = axes
-            used |= set(axes)
     return chosen
 
 

@@ -668,3 +668,90 @@ def test_blackwell_path_through_xla_fallback(a_fmt, b_fmt, rng):
     bd = np.asarray(jax.device_put(b, _cpu()).dequantize(jnp.float32), np.float64)
     bound = k * 2.0**-22 * (np.abs(ad) @ np.abs(bd).T)
     assert (np.abs(got - ad @ bd.T) <= bound).all()
+
+
+# Grouped calls (jax_fp4.group_matmuls): weights of one x in the prepared layout run as one
+# launch of the wgmma kernel that reads them as one weight of their rows together
+# (WMembers), each output within the W4A16 bound. Members of 128-384 rows (1-3 weight
+# tiles each, so CTAs of every member run at once), K = 1152 (9 steps, splits of odd step
+# counts), ragged M up to two 256-row tiles; 5 weights make a group of 4 and a single call.
+GROUP_CASES = [PREPARED_CASES[i] for i in (0, 1, 2, 3, 4, 5)]
+
+
+def _grouped_fn(n_weights):
+    def fn(x, ws):
+        return [jf.dot_general(x, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+                for w in ws[:n_weights]]
+    return fn
+
+
+@pytest.mark.parametrize("fmt,bs,kw,dtype", GROUP_CASES, ids=str)
+def test_grouped_wmatmul_one_launch(fmt, bs, kw, dtype, rng):
+    _require_wgmma()
+    k, ns = 1152, (256, 128, 384, 128, 256)
+    qs = []
+    for n in ns:
+        w = (rng.standard_normal((k, n)) * 10.0 ** rng.integers(-3, 3, size=(1, n))).astype(np.float32)
+        qs.append(jf.quantize(jax.device_put(jnp.asarray(w), _cpu()), fmt, axis=0, block_size=bs, **kw))
+    qpg = [jax.device_put(jf.prepare(q), _gpu()) for q in qs]
+    for m in (1, 5, 16, 33, 300):
+        x = jax.device_put(jnp.asarray(rng.standard_normal((m, k)), dtype), _gpu())
+        for count in (2, 3, 5):
+            fn = jax.jit(jf.group_matmuls(_grouped_fn(count)))
+            text = fn.lower(x, qpg).as_text()
+            eqn = next(e for e in jax.make_jaxpr(jf.group_matmuls(_grouped_fn(count)))(
+                x, qpg).jaxpr.eqns if e.primitive.name == "jax_fp4_weight_matmul_group")
+            plan = W._plan([v.aval for v in eqn.invars], eqn.params, G.gpu_props(),
+                           n=sum(ns[:min(count, 4)]))
+            calls = len(plan.launches)
+            if count == 5:  # the fifth weight on its own
+                calls += len(W._plan([v.aval for v in eqn.invars], eqn.params, G.gpu_props(),
+                                     n=ns[4]).launches)
+            assert text.count("jax_fp4_wmatmul_v3") == calls, (fmt, m, count, calls)
+            got = fn(x, qpg)
+            for i, y in enumerate(got):
+                _check(y, np.asarray(x, np.float32), _exact_weight(qs[i]),
+                       f"{fmt} {kw} grouped M={m} weight {i} of {count}", x_dtype=dtype)
+
+
+def test_grouped_wmatmul_linear_weights_run_one_by_one(rng):
+    """Weights in the linear layout: the grouped call lowers to one launch per weight (the
+    kernel reads several weights in the prepared layout only), with the results of
+    ungrouped calls, bit for bit."""
+    _require_wgmma()
+    k = 256
+    qs = [jax.device_put(jf.quantize(jnp.asarray(rng.standard_normal((k, n)), jnp.float32),
+                                     "nvfp4", axis=0), _gpu()) for n in (128, 200)]
+    x = jax.device_put(jnp.asarray(rng.standard_normal((4, k)), jnp.bfloat16), _gpu())
+    fn = _grouped_fn(2)
+    grouped = jax.jit(jf.group_matmuls(fn))
+    assert "jax_fp4_weight_matmul_group" in str(jax.make_jaxpr(jf.group_matmuls(fn))(x, qs))
+    assert grouped.lower(x, qs).as_text().count("jax_fp4_wmatmul_v3") == 2
+    for a, b in zip(grouped(x, qs), jax.jit(fn)(x, qs)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_wmatmul_handler_rejects_bad_groups():
+    """A direct FFI call with a number of weight buffers that is not 4 per weight, more
+    than 4 weights, or several weights outside the prepared layout gets an error naming
+    what it expected."""
+    assert jf.capabilities()["kernels"]["cuda"], jf.capabilities()["load_error"]  # registers
+    m, k, n = 4, 256, 128
+    weight = (jnp.zeros((n, k // 2), jnp.uint8), jnp.zeros((n, k // 16), jnp.uint8),
+              jnp.zeros((0,), jnp.uint8), jnp.ones((1,), jnp.float32))
+    x = jnp.ones((m, k), jnp.bfloat16)
+
+    def run(bufs, n_out, tiled):
+        call = jax.ffi.ffi_call(W._FUSED_TARGET, jax.ShapeDtypeStruct((1, m, n_out), jnp.float32))
+        args = jax.device_put((x, *bufs), _gpu())
+        return jax.block_until_ready(jax.jit(lambda *a: call(
+            *a, **_attrs("nvfp4", 16, two_level=False), splits=np.int64(1),
+            tile_m=np.int64(8 if tiled else 0), cluster=np.int64(1), tiled=np.int32(tiled)))(*args))
+
+    with pytest.raises(Exception, match=r"4 buffers \(codes, scales, zeros, ts\) for each of 1 to 4 weights, got 7"):
+        run(weight + weight[:3], 2 * n, 0)
+    with pytest.raises(Exception, match=r"got 20 buffers"):
+        run(weight * 5, 5 * n, 0)
+    with pytest.raises(Exception, match=r"a call of 2 weights needs the prepared layout \(tiled = 1\)"):
+        run(weight * 2, 2 * n, 0)
+    run(weight * 2, 2 * n, 1)  # two weights in the prepared layout: accepted

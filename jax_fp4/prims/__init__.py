@@ -7,6 +7,8 @@ per-platform lowering; sharding rules: :mod:`jax_fp4.partitioning`.
 - :mod:`.fake_quantize`: ``fake_quantize_p`` and its straight-through estimator;
 - :mod:`.tensor_scale`: ``auto_tensor_scale_p`` (NVFP4 per-tensor scale from amax);
 - :mod:`.wmatmul`: ``wmatmul_p`` (W4A16 matmul, the fused CUDA kernel);
+- :mod:`.wmatmul_group`: ``wmatmul_group_p`` (several W4A16 matmuls of one activation as
+  one call; :func:`jax_fp4.group_matmuls` binds it);
 - :mod:`.scaled_matmul`: ``scaled_matmul_p`` (block-scaled matmul of two quantized
   operands);
 - :mod:`._common`: the backend switch and the helpers every primitive registers with;

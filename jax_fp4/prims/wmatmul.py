@@ -4,7 +4,8 @@ and a quantized weight, within the W4A16 tolerance of the exact sum (docs/spec.m
 
 Lowering: on CUDA the fused kernel (csrc/cuda/wmatmul/, FFI target jax_fp4_wmatmul_v3)
 as :func:`jax_fp4.prims._launch_plan.wmatmul_plan` plans it for the target GPU, where it
-covers the call; elsewhere (and beyond its size limits) dequantize + XLA's dot.
+covers the call (:func:`fused_launches`, which also serves the grouped call of
+:mod:`.wmatmul_group`); elsewhere (and beyond its size limits) dequantize + XLA's dot.
 """
 from __future__ import annotations
 
@@ -65,11 +66,22 @@ def _wmatmul_batch(args, dims, **params):
 
 def _wmatmul_transpose(ct, x, codes, scales, zeros, ts, **params):
     """Linear in x: x_bar = y_bar @ W (through the dequantized weight)."""
-    if not ad.is_undefined_primal(x) or any(ad.is_undefined_primal(a)
-                                            for a in (codes, scales, zeros, ts)):
-        raise NotImplementedError("jax_fp4 matmul differentiates w.r.t. the activations only")
     if type(ct) is ad.Zero:
+        _check_transposable(x, codes, scales, zeros, ts)
         return [None] * 5
+    return [x_cotangent(ct, x, codes, scales, zeros, ts, **params).astype(x.aval.dtype),
+            None, None, None, None]
+
+
+def _check_transposable(x, *weight):
+    if not ad.is_undefined_primal(x) or any(ad.is_undefined_primal(a) for a in weight):
+        raise NotImplementedError("jax_fp4 matmul differentiates w.r.t. the activations only")
+
+
+def x_cotangent(ct, x, codes, scales, zeros, ts, **params):
+    """y_bar (M, N) @ W (N, K) in float32 (W dequantized to x's dtype): x's cotangent
+    before its cast to x's dtype. x: the undefined primal (its aval gives K and dtype)."""
+    _check_transposable(x, codes, scales, zeros, ts)
     codes, scales, zeros = _untiled(codes, scales, zeros, params["block_size"], params["tiled"])
     ts = jnp.broadcast_to(ts, (codes.shape[0],))
     w = dequantize_p.bind(codes, scales, zeros, ts, fmt=params["fmt"],
@@ -79,7 +91,7 @@ def _wmatmul_transpose(ct, x, codes, scales, zeros, ts, **params):
     ctx = lax.dot_general(ct.astype(x.aval.dtype), w, (((1,), (0,)), ((), ())),
                           precision=params["precision"], preferred_element_type=jnp.float32,
                           out_sharding=partitioning.explicit_sharding(x.aval))
-    return [ctx.astype(x.aval.dtype), None, None, None, None]
+    return ctx
 
 
 # The table path's x permutation moves 32-bit pairs of elements where x needs no padding
@@ -119,12 +131,16 @@ def wmatmul_x_layout(x, bit_path, tile_m=1):
 
 
 _FUSED_TARGET = "jax_fp4_wmatmul_v3"
+# Most weights one launch reads (kMaxMembers, csrc/cuda/wmatmul/launch.h).
+_MAX_GROUP = 4
 
 
-def _plan(avals_in, params, gpu):
+def _plan(avals_in, params, gpu, n=None):
+    """The launch plan of x (avals_in[0]) with the weight avals_in[1:4] (n: its rows, or
+    the rows of the weights of a grouped call, :func:`fused_launches`)."""
     x, codes, scales = avals_in[0], avals_in[1], avals_in[2]
     return _launch_plan.wmatmul_plan(
-        x.shape[0], codes.shape[0], x.shape[1], fmt=params["fmt"],
+        x.shape[0], codes.shape[0] if n is None else n, x.shape[1], fmt=params["fmt"],
         block_size=params["block_size"], x_dtype=x.dtype, scale_dtype=scales.dtype,
         out_dtype=params.get("out_dtype", x.dtype), two_level=params["two_level"], tiled=params["tiled"],
         gpu=gpu)
@@ -139,36 +155,59 @@ def fused_wmatmul_applies(avals_in, params, gpu=None):
     return _plan(avals_in, params, gpu or _gpu.gpu_props()) is not None
 
 
-def _wmatmul_fused(x, codes, scales, zeros, ts, *, fmt, block_size, two_level, out_dtype,
-                   precision, tiled, impl, gpu=None):
-    """The fused kernel's launches of the plan: each writes y's rows in x's dtype (or
-    float32) itself where it has one K-split, else leaves float32 partial sums that XLA
-    adds and casts. A prepared weight the planned kernel does not read is restored to the
-    linear layout first."""
-    gpu = gpu or _gpu.gpu_props()
+def fused_launches(x, weights, *, fmt, block_size, two_level, out_dtype, tiled, gpu):
+    """y_i = x @ W_i^T for each weight W_i = (codes, scales, zeros, ts) of `weights`, by the
+    fused kernel (each call covered: :func:`fused_wmatmul_applies`). Several weights run
+    as one launch per planned row range where the kernel can read them as one weight of
+    their rows together (WMembers, csrc/cuda/wmatmul/launch.h: the wgmma kernel on weights
+    in the prepared layout, at most 4, one CTA per cluster); else each weight on its own.
+    Each launch writes y's rows in x's dtype (or float32) itself where it has one K-split,
+    else leaves float32 partial sums that XLA adds and casts. A prepared weight the planned
+    kernel does not read is restored to the linear layout first. Returns the list of y_i."""
     params = dict(fmt=fmt, block_size=block_size, two_level=two_level, out_dtype=out_dtype,
                   tiled=tiled)
-    plan = _plan((x, codes, scales), params, gpu)
+    ns = [w[0].shape[0] for w in weights]
+    plan = _plan((x, *weights[0][:2]), params, gpu, n=sum(ns))
+    if len(weights) > 1 and not (plan is not None and plan.tiled and len(weights) <= _MAX_GROUP
+                                 and all(ln.tile_m and ln.cluster == 1 for ln in plan.launches)):
+        return [y for w in weights for y in fused_launches(
+            x, [w], fmt=fmt, block_size=block_size, two_level=two_level,
+            out_dtype=out_dtype, tiled=tiled, gpu=gpu)]
     if plan.untile:
-        codes, scales, zeros = _untiled(codes, scales, zeros, block_size, tiled)
-    n = codes.shape[0]
+        weights = [(*_untiled(*w[:3], block_size, tiled), w[3]) for w in weights]
+    if len({w[3].shape[0] > 1 for w in weights}) > 1:  # one form of ts for all (ffi.cu)
+        weights = [(*w[:3], jnp.broadcast_to(w[3], (n,))) for w, n in zip(weights, ns)]
+    buffers = [b for w in weights for b in w]
 
     def launch(xs, ln):
         if ln.tile_m:
             xs = wmatmul_x_layout(xs, ln.bit_path, ln.tile_m)
         part = jax.ffi.ffi_call(
             _FUSED_TARGET,
-            jax.ShapeDtypeStruct((ln.splits, ln.rows, n),
+            jax.ShapeDtypeStruct((ln.splits, ln.rows, sum(ns)),
                                  out_dtype if ln.final else jnp.float32))(
-            xs, codes, scales, zeros, ts, **_attrs(fmt, block_size, two_level=two_level),
+            xs, *buffers, **_attrs(fmt, block_size, two_level=two_level),
             splits=np.int64(ln.splits), tile_m=np.int64(ln.tile_m),
             cluster=np.int64(ln.cluster), tiled=np.int32(plan.tiled))
         return part[0] if ln.final else part.sum(0).astype(out_dtype)
 
     if len(plan.launches) == 1:
-        return launch(x, plan.launches[0])
-    return jnp.concatenate([launch(x[ln.row0:ln.row0 + ln.rows], ln) for ln in plan.launches],
-                           axis=0)
+        y = launch(x, plan.launches[0])
+    else:
+        y = jnp.concatenate([launch(x[ln.row0:ln.row0 + ln.rows], ln)
+                             for ln in plan.launches], axis=0)
+    if len(ns) == 1:
+        return [y]
+    ends = np.cumsum(ns)
+    return [y[:, e - n:e] for e, n in zip(ends, ns)]
+
+
+def _wmatmul_fused(x, codes, scales, zeros, ts, *, fmt, block_size, two_level, out_dtype,
+                   precision, tiled, impl, gpu=None):
+    """The fused kernel's launches of the plan (:func:`fused_launches` of one weight)."""
+    return fused_launches(x, [(codes, scales, zeros, ts)], fmt=fmt, block_size=block_size,
+                          two_level=two_level, out_dtype=out_dtype, tiled=tiled,
+                          gpu=gpu or _gpu.gpu_props())[0]
 
 
 def prepared_layout_native() -> bool:
