@@ -22,12 +22,16 @@ date, to RESULTS.md.
 
   python benchmarks/bench_model.py [--formats nvfp4 mxfp4 nf4 bnb_fp4 int4]
       [--ms 1 4 16 64 256 1024] [--model 8b|70b] [--layers 8] [--iters 30] [--tp 1 2] [--fsdp 2]
-      [--no-kernel-sum] [--fused] [--scan] [--tiny]   (a small model for a CPU smoke run)
+      [--no-kernel-sum] [--fused] [--group] [--scan] [--tiny]   (a small model for a CPU smoke run)
 
 With `--fused` the layer stores its q / k / v kernels as one (hidden, (H + 2 G) D) kernel
 and gate / up as one (hidden, 2 MLP) kernel, as vLLM's QKVParallelLinear /
 MergedColumnParallelLinear and MaxText's fused_qkv / fused_mlp do: the same weights
 (concatenated), the same step, 5 matmuls a layer instead of 7, for bf16 and 4-bit alike.
+
+With `--group` each 4-bit format is measured a second time, in the same process, with
+the step under `jax_fp4.group_matmuls` (column "<format>+group"): the model and its
+parameters unchanged, q / k / v and gate / up each one W4A16 launch (the grouped call).
 
 With `--scan` the layers' parameters are stacked (one array per parameter, as MaxText
 and Flax's nn.scan store a model; the 4-bit ones by `quantize_params(..., stacked=True)`)
@@ -53,6 +57,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import math
 import os
@@ -383,6 +388,18 @@ def layout_name(kind, n):
     return "1 device" if (kind, n) == ("tp", 1) else f"{kind.upper()}={n}"
 
 
+def variants(args):
+    """(label, format, grouped) of each step measured at each M, bf16 first: each 4-bit
+    format's step as written, and with `--group` also under jax_fp4.group_matmuls (label
+    "<format>+group")."""
+    out = [("bf16", "bf16", False)]
+    for f in args.formats:
+        out.append((f, f, False))
+        if args.group:
+            out.append((f + "+group", f, True))
+    return out
+
+
 def run(args):
     cfg = TINY if args.tiny else LLAMA3_70B if args.model == "70b" else Config()
     cfg = dataclasses.replace(cfg, layers=args.layers or cfg.layers,
@@ -397,16 +414,18 @@ def run(args):
     models = {}
     for fmt in ["bf16", *args.formats]:
         models[fmt] = quantized(params, fmt) if fmt != "bf16" else params
-    weight_bytes = {fmt: tree_nbytes(p) for fmt, p in models.items()}
+    weight_bytes = {label: tree_nbytes(models[fmt]) for label, fmt, _ in variants(args)}
     for kind, n in layouts(args):
         mesh = (None if n == 1 else
                 jax.sharding.Mesh(np.array(jax.devices()[:n]), (kind,)))
         if kind == "fsdp":
             from jax_fp4.sharding import gather_weights
 
-            fn = jax.jit(lambda p, c, x, mesh=mesh: step(cfg, gather_weights(p, mesh), c, x))
+            body = functools.partial(lambda p, c, x, mesh: step(cfg, gather_weights(p, mesh), c, x),
+                                     mesh=mesh)
         else:
-            fn = jax.jit(lambda p, c, x: step(cfg, p, c, x))
+            body = functools.partial(step, cfg)
+        fns = {False: jax.jit(body), True: jax.jit(jf.group_matmuls(body))}
         for m in args.ms:
             b, t = cfg.batch(m)
             cache = init_cache(cfg, b, jax.random.fold_in(key, 1000 + m))
@@ -416,7 +435,8 @@ def run(args):
                                   jnp.bfloat16)
             cache_bytes = tree_nbytes(cache)
             base = None
-            for fmt in ["bf16", *args.formats]:
+            for label, fmt, grouped in variants(args):
+                fn = fns[grouped]
                 p, c, xs = models[fmt], cache, x
                 if kind == "tp" and mesh is not None:
                     p, c = tp_shardings(p, cache, mesh)
@@ -429,11 +449,11 @@ def run(args):
                 coll = collectives(fn, fargs) if mesh is not None else {}
                 if fmt == "bf16":
                     base = (wall, ksum, loop)
-                rows.append(dict(layout=(kind, n), fmt=fmt, m=m, wall=wall, ksum=ksum,
+                rows.append(dict(layout=(kind, n), fmt=label, m=m, wall=wall, ksum=ksum,
                                  ratio=base[0] / wall, kratio=base[1] / ksum, loop=loop,
                                  lratio=base[2] / loop, tps=m / loop, host=host, coll=coll,
-                                 step_bytes=weight_bytes[fmt] + cache_bytes))
-                print(f"# {layout_name(kind, n):8s} M={m:5d} {fmt:8s} wall "
+                                 step_bytes=weight_bytes[label] + cache_bytes))
+                print(f"# {layout_name(kind, n):8s} M={m:5d} {label:8s} wall "
                       f"{wall * 1e3:8.3f} ms  x{base[0] / wall:5.2f}  "
                       f"kernels {ksum * 1e3:8.3f} ms  x{base[1] / ksum:5.2f}  "
                       f"decode loop {loop * 1e3:8.3f} ms  x{base[2] / loop:5.2f}  "
@@ -528,6 +548,8 @@ def main(argv=None):
                     help="layers stacked and run under lax.scan (one array per parameter)")
     ap.add_argument("--fused", action="store_true",
                     help="q/k/v and gate/up as one kernel each (fuse_projections)")
+    ap.add_argument("--group", action="store_true",
+                    help="also each 4-bit format's step under jax_fp4.group_matmuls")
     ap.add_argument("--results", default=os.path.join(os.path.dirname(__file__), "RESULTS.md"))
     ap.add_argument("--no-append", action="store_true")
     ap.add_argument("--json", default=None, metavar="PATH",

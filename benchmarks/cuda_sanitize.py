@@ -2,10 +2,11 @@
 small ragged shapes. Run on a GPU machine:
 
   XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer --tool memcheck \
-      python benchmarks/cuda_sanitize.py [quant] [matmul | matmul8] [bf16] [-v]
+      python benchmarks/cuda_sanitize.py [quant] [matmul | matmul8 | grouped] [bf16] [-v]
 
 (bf16: quantize kernels for bfloat16 inputs only, a shorter run; matmul8: the W4A16 cases
-at M = 1 and 4 only (the 8-row wgmma tile), a shorter run than matmul's M = 1-300; -v: print
+at M = 1 and 4 only (the 8-row wgmma tile), a shorter run than matmul's M = 1-300;
+grouped: only the grouped calls of jax_fp4.group_matmuls; -v: print
 each case before it runs.)
 
 (the platform allocator gives every buffer its own cudaMalloc, so out-of-bounds accesses
@@ -98,4 +99,16 @@ for fmt, bs, kw in mm_parts:
                 progress(f"prepared {fmt} bs={bs} {kw} K={k} {dtype.__name__} M={m}")
                 jax.block_until_ready(jf.matmul(jnp.asarray(rng.standard_normal((m, k)), dtype), q))
                 n += 1
+# grouped calls (jax_fp4.group_matmuls): three prepared weights of 256, 128 and 384 rows
+# read by one launch, K = 1152
+for fmt, bs, kw in mm_cases if mm_parts or "grouped" in parts else []:
+    if not layout.tileable(fmt, bs, kw.get("scale_dtype", jnp.float32), 128, 1152):
+        continue
+    qs = [jf.prepare(jf.quantize(jnp.asarray(rng.standard_normal((1152, r)), jnp.float32), fmt,
+                                 axis=0, block_size=bs, **kw)) for r in (256, 128, 384)]
+    grouped = jax.jit(jf.group_matmuls(lambda x, qs: [jf.matmul(x, q) for q in qs]))
+    for m in (1, 4) if small else (1, 13, 100, 300):
+        progress(f"grouped {fmt} bs={bs} {kw} K=1152 M={m}")
+        jax.block_until_ready(grouped(jnp.asarray(rng.standard_normal((m, 1152)), jnp.bfloat16), qs))
+        n += 1
 print(f"cuda_sanitize: {n} kernel launches checked")

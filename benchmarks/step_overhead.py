@@ -9,7 +9,10 @@ optimisation, so the compiled HLO text never shows them). Run it under different
 to compare, e.g. `--xla_gpu_enable_command_buffer=` (none) against XLA's default.
 
   python benchmarks/step_overhead.py [--m 1] [--formats nvfp4 int4] [--layers 8] [--no-trace]
-      [--jit-loop] [--loop-trace]
+      [--jit-loop] [--loop-trace] [--group]
+
+`--group`: every step under `jax_fp4.group_matmuls` (q / k / v and gate / up of each layer
+as one W4A16 call each; bf16's step is unchanged by it).
 
 `--jit-loop` adds the decode loop written inside the jit (`lax.fori_loop` over the steps:
 one call, one host dispatch, per 30 tokens): the GPU's pace, and by difference the host's
@@ -21,6 +24,7 @@ thunks one by one): the host's events per step, XLA's command-buffer update and 
 """
 import argparse
 import collections
+import functools
 import os
 import re
 import statistics
@@ -29,6 +33,8 @@ import time
 
 import jax
 import jax.numpy as jnp
+
+import jax_fp4 as jf
 
 sys.path.insert(0, os.path.dirname(__file__))
 import bench_model  # noqa: E402
@@ -105,13 +111,12 @@ def loop_trace(fn, args, iters=20):
     return {k: (n[k], v) for k, v in us.most_common()}, wall, returns
 
 
-def jit_loop(cfg, args, iters=30, loops=3):
-    """Seconds per step of `iters` decode steps inside one jitted `lax.fori_loop` (each
-    step's output the next one's x), median of `loops` calls: the GPU's pace without a
-    host dispatch per step."""
+def jit_loop(step, args, iters=30, loops=3):
+    """Seconds per step of `iters` decode steps (step(params, cache, x)) inside one jitted
+    `lax.fori_loop` (each step's output the next one's x), median of `loops` calls: the
+    GPU's pace without a host dispatch per step."""
     p, c, x = args
-    fn = jax.jit(lambda p, c, x: jax.lax.fori_loop(
-        0, iters, lambda i, y: bench_model.step(cfg, p, c, y), x))
+    fn = jax.jit(lambda p, c, x: jax.lax.fori_loop(0, iters, lambda i, y: step(p, c, y), x))
     jax.block_until_ready(fn(p, c, x))
     ts = []
     for _ in range(loops):
@@ -142,6 +147,8 @@ def main():
                     help="also time the decode loop inside the jit (lax.fori_loop)")
     ap.add_argument("--loop-trace", action="store_true",
                     help="also trace the decode loop's host events, command buffers on")
+    ap.add_argument("--group", action="store_true",
+                    help="the step under jax_fp4.group_matmuls (q/k/v, gate/up one call each)")
     args = ap.parse_args()
     if args.loop_trace:  # read when the GPU client starts, i.e. at the first computation
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
@@ -151,8 +158,12 @@ def main():
     b, t = cfg.batch(args.m)
     cache = bench_model.init_cache(cfg, b, jax.random.key(1))
     x = jax.random.normal(jax.random.key(2), (b, t, cfg.hidden), jnp.bfloat16)
-    fn = jax.jit(lambda p, c, x: bench_model.step(cfg, p, c, x))
-    print(f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r} M={args.m}")
+    step = functools.partial(bench_model.step, cfg)
+    if args.group:
+        step = jf.group_matmuls(step)
+    fn = jax.jit(step)
+    print(f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r} M={args.m}"
+          + (" (jax_fp4.group_matmuls)" if args.group else ""))
     for fmt in ["bf16", *args.formats]:
         fa = (bench_model.quantized(params, fmt), cache, x)
         wall, loop, _ = bench_model.wall_times(fn, fa, 30)
@@ -180,7 +191,7 @@ def main():
         for name, (n, us) in kern.items():
             print(f"#   kernel {us:8.1f} us/step  {n:5.1f}x  {name}", flush=True)
         if args.jit_loop:
-            print(f"{fmt:8s} decode loop inside the jit {jit_loop(cfg, fa) * 1e3:7.3f} ms/step",
+            print(f"{fmt:8s} decode loop inside the jit {jit_loop(step, fa) * 1e3:7.3f} ms/step",
                   flush=True)
         if args.loop_trace:
             events, traced, returns = loop_trace(fn, fa)

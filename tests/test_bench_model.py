@@ -1,5 +1,6 @@
 """The headline benchmark (benchmarks/bench_model.py) runs end to end on a small model, and
 its decoder step with 4-bit weights stays close to the bf16 step."""
+import functools
 import os
 import sys
 
@@ -88,6 +89,26 @@ def test_fused_projections_is_the_same_model():
     got = np.asarray(step(q, cache, x), np.float32)
     assert np.isfinite(got).all()
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 0.3
+
+
+def test_grouped_step_is_the_same_model(tmp_path):
+    # --group: the step under jax_fp4.group_matmuls: q / k / v and gate / up of each layer
+    # one grouped call each (o and down stay single); on CPU each weight of a group runs
+    # as before, so the step's output is the same bit for bit
+    cfg, params, cache, x, _ = _tiny()
+    q = bench_model.quantized(params, "nvfp4")
+    step = lambda p, c, x: bench_model.step(cfg, p, c, x)  # noqa: E731
+    grouped = jf.group_matmuls(step)
+    eqns = jax.make_jaxpr(grouped)(q, cache, x).jaxpr.eqns
+    sizes = [(len(e.invars) - 1) // 4 for e in eqns if e.primitive.name == "jax_fp4_weight_matmul_group"]
+    assert sizes == [3, 2] * cfg.layers
+    assert sum(e.primitive.name == "jax_fp4_weight_matmul" for e in eqns) == 2 * cfg.layers
+    np.testing.assert_array_equal(np.asarray(jax.jit(grouped)(q, cache, x), np.float32),
+                                  np.asarray(jax.jit(step)(q, cache, x), np.float32))
+    rows = bench_model.main(["--tiny", "--ms", "4", "--iters", "2", "--formats", "int4",
+                             "--group", "--no-kernel-sum", "--results", str(tmp_path / "R.md")])
+    assert [r["fmt"] for r in rows] == ["bf16", "int4", "int4+group"]
+    assert "| M | bf16 | int4 | int4+group |" in (tmp_path / "R.md").read_text()
 
 
 def test_scanned_layers_is_the_same_model():
@@ -187,7 +208,8 @@ def test_step_overhead_loop_diagnostics():
 
     cfg, params, cache, x, step = _tiny()
     p = bench_model.quantized(params, "int4")
-    assert step_overhead.jit_loop(cfg, (p, cache, x), iters=3, loops=1) > 0
+    assert step_overhead.jit_loop(functools.partial(bench_model.step, cfg), (p, cache, x),
+                                  iters=3, loops=1) > 0
     events, traced, returns = step_overhead.loop_trace(step, (p, cache, x), iters=4)
     assert traced > 0 and len(returns) == 4 and all(r > 0 for r in returns)
     run = events["CommonPjRtLoadedExecutable::ExecuteHelperOnSingleDevice"]
