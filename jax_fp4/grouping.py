@@ -14,7 +14,8 @@ changing the model's parameters or code.
 How. The function is traced to a jaxpr; in it (and in the jaxprs of nested ``jit``,
 ``scan``, ``while``, ``cond``, ``remat``, custom-derivative calls), W4A16 calls
 (``wmatmul_p``, what :func:`jax_fp4.dot_general` / :func:`jax_fp4.matmul` bind for a 2-D
-QArray weight) with the same activation variable and the same parameters (format, block
+QArray weight) with the same activation (the same variable, or one computed from it
+the same way, e.g. cast to the same dtype again) and the same parameters (format, block
 size, layout, output dtype, precision) are grouped, up to 4 a group, in the order they
 appear, where every member's weight can be computed at the first member's place (the
 casts and reshapes before each call move there); the jaxpr is then evaluated with one
@@ -94,6 +95,7 @@ def _groups(jaxpr):
     (the weights' casts and reshapes that :func:`jax_fp4.dot_general` emits before each
     call): they are evaluated first, in the group's place (hoisted)."""
     producer = {v: i for i, eqn in enumerate(jaxpr.eqns) for v in eqn.outvars}
+    same = _same_values(jaxpr)
     open_groups, groups, hoists = {}, {}, {}
 
     def needed(atoms, first, acc):
@@ -116,7 +118,7 @@ def _groups(jaxpr):
     for i, eqn in enumerate(jaxpr.eqns):
         if eqn.primitive is not wmatmul_p or isinstance(eqn.invars[0], core.Literal):
             continue
-        key = (eqn.invars[0], tuple(sorted(eqn.params.items())))
+        key = (same.get(eqn.invars[0], eqn.invars[0]), tuple(sorted(eqn.params.items())))
         g = open_groups.get(key)
         acc = set(hoists.get(g[0], ())) if g else set()
         if g is not None and needed(eqn.invars[1:], g[0], acc):
@@ -128,6 +130,34 @@ def _groups(jaxpr):
             open_groups[key] = groups[i] = [i]
     groups = {i: g for i, g in groups.items() if len(g) > 1}
     return groups, {i: sorted(hoists.get(i, ())) for i in groups}
+
+
+def _same_values(jaxpr):
+    """{variable: the first variable computed the same way}: equations of one primitive,
+    parameters and (so mapped) operands compute the same values where they are pure. So
+    the activation each layer casts or reshapes again before its call (a Flax layer's
+    dtype promotion, dot_general's view of x as rows) counts as one activation."""
+    same, first = {}, {}
+
+    def atom(v):
+        if isinstance(v, core.Literal):
+            return ("literal", np.asarray(v.val).tobytes(), str(v.aval))
+        return same.get(v, v)
+
+    for eqn in jaxpr.eqns:
+        if eqn.effects or any(True for _ in _subjaxprs(eqn.params)):
+            continue
+        try:
+            key = (eqn.primitive, tuple(sorted(eqn.params.items())),
+                   tuple(atom(v) for v in eqn.invars))
+            hash(key)
+        except TypeError:  # a parameter that is not hashable (an array): not compared
+            continue
+        if key in first:
+            same.update(zip(eqn.outvars, first[key]))
+        else:
+            first[key] = eqn.outvars
+    return same
 
 
 def _has_group(jaxpr):

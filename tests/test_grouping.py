@@ -208,3 +208,35 @@ def test_grouped_call_stays_sharded(wspec, x_spec, reduce, rng):
                                    rtol=2e-5, atol=2e-5 * float(np.abs(w).max()))
         if not reduce:
             assert g.sharding.is_equivalent_to(NamedSharding(MESH, P("data", "model")), 2), g.sharding
+
+
+def test_flax_nnx_and_equinox_layers_group(rng):
+    """Layers that cast x again before each call (Flax's dtype promotion) still group: x
+    cast the same way counts as one activation. nnx.jit and eqx.filter_jit around the
+    transformation, results bit for bit."""
+    import equinox as eqx
+    from flax import nnx
+
+    from jax_fp4.nn.equinox import QuantizedLinear as EqxLinear
+    from jax_fp4.nn.flax import QuantizedLinear as NnxLinear
+
+    class QKV(nnx.Module):
+        def __init__(self, rngs):
+            self.q = NnxLinear(K, 256, use_bias=False, rngs=rngs)
+            self.k = NnxLinear(K, 128, use_bias=False, rngs=rngs)
+            self.v = NnxLinear(K, 128, use_bias=False, rngs=rngs)
+
+        def __call__(self, x):
+            return self.q(x), self.k(x), self.v(x)
+
+    x = _x(rng)
+    model = QKV(nnx.Rngs(0))
+    call = lambda m, x: m(x)  # noqa: E731
+    assert _group_sizes(jf.group_matmuls(call), model, x) == [3]
+    _equal(nnx.jit(jf.group_matmuls(call))(model, x), nnx.jit(call)(model, x))
+
+    keys = jax.random.split(jax.random.key(0), 2)
+    layers = [EqxLinear(K, n, key=k, format="int4") for k, n in zip(keys, (256, 128))]
+    call = lambda layers, x: [layer(x) for layer in layers]  # noqa: E731
+    assert _group_sizes(jf.group_matmuls(call), layers, x) == [2]
+    _equal(eqx.filter_jit(jf.group_matmuls(call))(layers, x), eqx.filter_jit(call)(layers, x))
