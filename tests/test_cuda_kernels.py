@@ -190,3 +190,42 @@ def test_cuda_int4_wide_blocks_match_reference(sd):
     fq = lambda v: jf.fake_quantize(v, "int4", block_size=128)
     assert_bits_equal(_run(fq, x, "kernels", _gpu()), _run(fq, x, "reference", _cpu()),
                       "fake_quantize")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_cuda_division_shortcuts_and_fallbacks(dtype, rng):
+    """The quantize kernels divide by one Markstein step from a correctly rounded reciprocal
+    where that is exact (csrc/cuda/quant: nvfp4_scale_fast, int4_encode_fast;
+    benchmarks/check_codecs.cu checks them over every amax and every 16-bit x and scale)
+    and take the IEEE divisions elsewhere. Both sides of each boundary == reference:
+    tensor scales around 2^100 and at 2^-120, INT4 blocks whose quotients x / s pass 2^30
+    (a huge offset over a tiny range) and ones just inside, quotients near the rounding
+    ties, amax at the bottom of the normal range."""
+    # A constant block has s = 1e-5 / 15: x / s = 1.5e6 x, inside 2^30 for x = 500, beyond
+    # it for 3e4; noisy blocks around 1 and around a quarter of the dtype's largest value.
+    big = float(jnp.finfo(dtype).max) / 4
+    rows = [np.full(4096, 500.0), np.full(4096, -3.0e4)]
+    for c in (1.0, big):
+        rows.append(c + rng.standard_normal(4096) * 1e-3 * c)
+    half = (np.arange(4096) % 16 + 0.5).astype(np.float32)  # ties of rint(x / s) and of E2M1
+    rows += [half, half * np.float32(2.0 ** -126) * 6, rng.standard_normal(4096) * 1e-38]
+    x = jnp.asarray(np.stack(rows).astype(np.float32)).astype(dtype)
+    x = jnp.where(jnp.isfinite(x), x, 0)  # rows beyond a 16-bit dtype's range: zeros
+
+    def int4(v):
+        qa = jf.quantize(v, "int4", block_size=128, scale_dtype=jnp.float32)
+        return qa.data, qa.scales, qa.zeros
+
+    def nvfp4(ts):
+        def f(v):
+            qa = jf.quantize(v, "nvfp4", tensor_scale=ts)
+            return qa.data, qa.scales, jf.fake_quantize(v, "nvfp4", tensor_scale=ts)
+        return f
+
+    fns = [int4, nvfp4(None)] + [nvfp4(np.float32(ts)) for ts in (
+        2.0 ** -120, 1 / 2688, 2.0 ** 100 * (1 - 2.0 ** -24), 2.0 ** 100, 2.0 ** 100 * (1 + 2.0 ** -23),
+        2.0 ** 110)]
+    for i, fn in enumerate(fns):
+        for name, g, w in zip(("data", "scales", "zeros / fake-quantized"),
+                              _run(fn, x, "kernels", _gpu()), _run(fn, x, "reference", _cpu())):
+            assert_bits_equal(g, w, f"{dtype.__name__} case {i} {name}")

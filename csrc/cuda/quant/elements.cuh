@@ -12,6 +12,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include <cstdint>
 
@@ -30,7 +31,10 @@ constexpr int kThreads = 512;  // threads per CTA
 // round-to-nearest-even conversion (cvt.rn), which is the codecs.h rounding (f32_to_bf16 /
 // f32_to_f16); only NaN payloads may differ, and the spec does not fix those. amax_bits
 // is codecs.h block_absmax_bits of the chunk (max of |x| bits: NaN > Inf > finite),
-// taken on the packed words with the DPX 3-way min/max.
+// taken on the packed words with the DPX 3-way min/max. minmax gives the chunk's min and
+// max as float32 for INT4, NaN ignored (a block with a NaN or Inf gets the NaN scale
+// before they are used) and either zero for a min or max of +-0 (int4_params gives both
+// the same scale and zero point).
 template <int NW>
 struct Raw {
   uint4 w[NW];
@@ -61,6 +65,18 @@ struct IoF32 {
     for (int i = 0; i < 4; ++i)
       a = __vimax3_u32(a, __vimax3_u32(r.w[i].x & m, r.w[i].y & m, r.w[i].z & m), r.w[i].w & m);
     return a;
+  }
+  __device__ static void minmax(const Raw& r, float* mn, float* mx) {
+    float v[kChunk];
+    to_f32(r, v);
+    float lo = v[0], hi = v[0];
+#pragma unroll
+    for (int i = 1; i < kChunk; ++i) {
+      lo = fminf(lo, v[i]);
+      hi = fmaxf(hi, v[i]);
+    }
+    *mn = lo;
+    *mx = hi;
   }
   __device__ static float scalar(const float* p) { return *p; }
   __device__ static void store(float* p, const float* v) {
@@ -106,6 +122,19 @@ struct Io16 {
     const uint32_t h = max(h2 & 0xffffu, h2 >> 16);
     if constexpr (BF16) return h << 16;
     return f2u(__half2float(__ushort_as_half(static_cast<unsigned short>(h))));
+  }
+  // On the packed pairs: one min and one max instruction per two elements.
+  __device__ static void minmax(const Raw& r, float* mn, float* mx) {
+    using T2 = typename std::conditional<BF16, __nv_bfloat162, __half2>::type;
+    const T2* h = reinterpret_cast<const T2*>(r.w);
+    T2 lo = h[0], hi = h[0];
+#pragma unroll
+    for (int i = 1; i < 8; ++i) {
+      lo = __hmin2(lo, h[i]);
+      hi = __hmax2(hi, h[i]);
+    }
+    *mn = fminf(__low2float(lo), __high2float(lo));
+    *mx = fmaxf(__low2float(hi), __high2float(hi));
   }
   __device__ static float scalar(const uint16_t* p) {
     return BF16 ? bf16_to_f32(*p) : __half2float(__ushort_as_half(*p));
@@ -184,6 +213,7 @@ constexpr int kChunkBytes = kChunk * elem_bits(FMT) / 8;  // packed codes of one
 
 struct Tables {
   float dec[512];
+  float2 e4m3[128];  // NVFP4 quantize: (s, RN(1 / s)) of each positive E4M3 code
   alignas(16) float bnd[16];
   uint32_t order[16];
   uint32_t red[kThreads / 32];
@@ -203,6 +233,12 @@ __device__ void build_decode_table(Tables& t) {
 
 template <int FMT>
 __device__ void build_encode_tables(Tables& t) {
+  if constexpr (FMT == kNVFP4) {
+    for (int c = threadIdx.x; c < 128; c += blockDim.x) {
+      const float s = e4m3_decode(c);
+      t.e4m3[c] = make_float2(s, 1.0f / s);
+    }
+  }
   if constexpr (is_codebook(FMT)) {
     if (threadIdx.x < 16) {
       t.bnd[threadIdx.x] = threadIdx.x < 15 ? Codebook<FMT>::bound(threadIdx.x) : u2f(kInfBits);
@@ -223,17 +259,58 @@ constexpr bool kHwFp8 = false;
 // (finite x, finite multiplier > 0; the kernels give non-finite blocks the NaN scale
 // first). The GPU tests check them bit for bit against the reference.
 
-// == nvfp4_encode(x, mult) == mx_encode<kMXFP4>(x, mult): E2M1 code of
-// clamp(x * mult, -6, 6), round to nearest even, sign kept. |x * mult| >= 1 rounds on
-// the float32 bit pattern (1 mantissa bit); below 1 the E2M1 grid is 0.5, and adding
-// 2^22 (ulp 0.5) rounds to it; codes above 7 saturate.
-__device__ __forceinline__ uint32_t e2m1_encode_fast(float x, float mult) {
-  const float a = fabsf(x) * mult;
-  const uint32_t b = f2u(a);
-  const uint32_t nrm = ((b + 0x1fffffu + ((b >> 22) & 1u)) >> 22) - 252u;
-  const uint32_t sub = f2u(a + 4194304.0f) - 0x4a800000u;
-  const uint32_t c = min(b >= 0x3f800000u ? nrm : sub, 7u);
-  return c | ((f2u(x) >> 28) & 8u);
+// E2M1 (nvfp4_encode(x, mult) == mx_encode<kMXFP4>(x, mult)) on the FMA pipe. The
+// magnitude code of a = |x| mult, clamped to 6 and rounded to nearest even, is the minimum
+// of RNE(2a), RNE(a) + 2 and RNE(a / 2) + 4, saturated at 7: each is the code on the grid of
+// one binade range ([0, 2): steps of 0.5, [2, 4): 1, [4, 8): 2) extended to every a, and an
+// extension lies at or above the true code outside its range (RNE is monotone and
+// RNE(v + 2) = RNE(v) + 2). Each term is one multiply-add to 2^23 (+2, +4): the exact sum
+// rounds once to an integer, ties to even, in the mantissa of a float in [2^23, 2^24), so
+// the term is that float's bits minus kE2m1Bias and the minimum an integer one.
+// benchmarks/check_codecs.cu compares every a with codecs.h's e2m1_encode.
+constexpr uint32_t kE2m1Bias = 0x4b000000u;  // bits of 2^23
+
+__device__ __forceinline__ uint32_t e2m1_magnitude_biased(float a) {
+  const uint32_t r0 = f2u(fmaf(a, 2.0f, 0x1p23f));
+  const uint32_t r1 = f2u(a + 0x1.000004p23f);              // 2^23 + 2
+  const uint32_t r2 = f2u(fmaf(a, 0.5f, 0x1.000008p23f));   // 2^23 + 4
+  return __vimin3_u32(r0, r1, min(r2, kE2m1Bias + 7u));
+}
+
+// 8 elements' E2M1 codes as one little-endian nibble word (sign in bit 3 of each nibble).
+// The biased magnitudes accumulate times 16^i by multiply-adds: the bias terms of nibbles
+// 2..7 leave the 32-bit word and those of nibbles 0 and 1 are subtracted up front. The sign
+// bits gather from each float's top byte with byte permutes: odd elements' land in bit 7
+// of their byte, even elements' in bit 7 and then shift to bit 3.
+__device__ __forceinline__ uint32_t e2m1_pack8(const float* v, float mult) {
+  uint32_t acc = 0u - (kE2m1Bias + (kE2m1Bias << 4));
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc += e2m1_magnitude_biased(fabsf(v[i]) * mult) << (4 * i);
+  auto top_bytes = [&](int i) {  // the top bytes of elements i, i + 2, i + 4, i + 6
+    return __byte_perm(__byte_perm(f2u(v[i]), f2u(v[i + 2]), 0x73u),
+                       __byte_perm(f2u(v[i + 4]), f2u(v[i + 6]), 0x73u), 0x5410u);
+  };
+  return acc | (top_bytes(1) & 0x80808080u) | ((top_bytes(0) >> 4) & 0x08080808u);
+}
+
+// Correctly rounded a / b from r = RN(1 / b) by one Markstein step (Markstein 1990; Muller
+// et al., Handbook of Floating-Point Arithmetic, "Markstein's theorem"): q0 = RN(a r) is
+// within one ulp of a / b, the remainder a - q0 b is exact in one FMA, and
+// RN(q0 + (a - q0 b) r) = RN(a / b) wherever a / b is a normal number and nothing
+// overflows. Three instructions instead of the division's checked sequence; callers keep
+// the operands in that range or take the IEEE division.
+__device__ __forceinline__ float div_markstein(float a, float b, float r) {
+  const float q0 = a * r;
+  return fmaf(fmaf(-q0, b, a), r, q0);
+}
+
+// == int4_encode(x, s, z) for |x| r < 2^30, with r = RN(1 / s) and zi = z: the quotient
+// by div_markstein (a quotient below the normal range rounds to integer 0 either way),
+// then codecs.h's rint and clamps as the round-to-nearest-even conversion and an integer
+// clamp: clamp(n + z, 0, 15) = clamp(n, -z, 15 - z) + z, with no overflow.
+__device__ __forceinline__ uint32_t int4_encode_fast(float x, float s, float r, int zi) {
+  const int n = __float2int_rn(div_markstein(x, s, r));
+  return static_cast<uint32_t>(min(max(n, -zi), 15 - zi) + zi);
 }
 
 // == codebook_code<FMT>(codebook_position<FMT>(x, mult)): the number of boundaries below
@@ -254,29 +331,33 @@ __device__ __forceinline__ uint32_t codebook_encode_fast(float x, float mult, fl
   return FMT == kNF4 ? n : t.order[n];
 }
 
-// Codes of the 16 elements of a chunk (NVFP4, MX, codebooks) from the block multiplier.
+// Packed codes of the 16 elements of a chunk (NVFP4, MX, codebooks) from the block
+// multiplier.
 template <int FMT>
-__device__ void encode16(const float* v, float mult, float4 b, const Tables& t, uint32_t* c) {
+__device__ uint4 encode16(const float* v, float mult, float4 b, const Tables& t) {
   if constexpr (FMT == kNVFP4 || FMT == kMXFP4) {
-#pragma unroll
-    for (int i = 0; i < kChunk; ++i) c[i] = e2m1_encode_fast(v[i], mult);
-  } else if constexpr (is_codebook(FMT)) {
-#pragma unroll
-    for (int i = 0; i < kChunk; ++i) c[i] = codebook_encode_fast<FMT>(v[i], mult, b, t);
-  } else if constexpr ((FMT == kMXFP8_E4M3 || FMT == kMXFP8_E5M2) && kHwFp8) {
-    // cvt.rn.satfinite.{e4m3,e5m2}x2.f32: RNE, saturating to the largest finite value,
-    // i.e. mx_encode's clamp + encode.
-#pragma unroll
-    for (int i = 0; i < kChunk; i += 2) {
-      const __nv_fp8x2_storage_t pr = __nv_cvt_float2_to_fp8x2(
-          make_float2(v[i] * mult, v[i + 1] * mult), __NV_SATFINITE,
-          FMT == kMXFP8_E4M3 ? __NV_E4M3 : __NV_E5M2);
-      c[i] = pr & 0xffu;
-      c[i + 1] = pr >> 8;
-    }
+    return make_uint4(e2m1_pack8(v, mult), e2m1_pack8(v + 8, mult), 0u, 0u);
   } else {
+    uint32_t c[kChunk];
+    if constexpr (is_codebook(FMT)) {
 #pragma unroll
-    for (int i = 0; i < kChunk; ++i) c[i] = mx_encode<FMT>(v[i], mult) & 0xffu;
+      for (int i = 0; i < kChunk; ++i) c[i] = codebook_encode_fast<FMT>(v[i], mult, b, t);
+    } else if constexpr ((FMT == kMXFP8_E4M3 || FMT == kMXFP8_E5M2) && kHwFp8) {
+      // cvt.rn.satfinite.{e4m3,e5m2}x2.f32: RNE, saturating to the largest finite value,
+      // i.e. mx_encode's clamp + encode.
+#pragma unroll
+      for (int i = 0; i < kChunk; i += 2) {
+        const __nv_fp8x2_storage_t pr = __nv_cvt_float2_to_fp8x2(
+            make_float2(v[i] * mult, v[i + 1] * mult), __NV_SATFINITE,
+            FMT == kMXFP8_E4M3 ? __NV_E4M3 : __NV_E5M2);
+        c[i] = pr & 0xffu;
+        c[i + 1] = pr >> 8;
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < kChunk; ++i) c[i] = mx_encode<FMT>(v[i], mult) & 0xffu;
+    }
+    return pack16<kBits<FMT>>(c);
   }
 }
 

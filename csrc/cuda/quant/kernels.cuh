@@ -109,57 +109,100 @@ struct MaxI {
   }
 };
 
+// ------------------------------------------------------------------ block statistics
+// One chunk's share of its block's statistics, before the group reduction: the absmax
+// bits and, for INT4, the min and max (IoF32 / Io16 minmax).
+struct ChunkStats {
+  uint32_t amax;
+  float mn, mx;
+};
+template <int FMT, typename L>
+__device__ __forceinline__ ChunkStats chunk_stats(const typename L::Raw& raw) {
+  ChunkStats st{L::amax_bits(raw), 0.0f, 0.0f};
+  if constexpr (FMT == kINT4) L::minmax(raw, &st.mn, &st.mx);
+  return st;
+}
+
+// == nvfp4_scale_code<TWO_LEVEL>(amax, ts), returning nvfp4_elem_mult<TWO_LEVEL> of it in
+// *mult, with its three IEEE divisions as div_markstein steps where those are exact:
+// - amax / 6 with RN(1/6). A quotient below the normal range is off by at most a few units
+//   of 2^-149, and t is clamped up to 2^-6 either way (two levels: t / ts <= 2^-126 / 2^-120).
+// - t / ts with RN(1/ts) for ts <= 2^100 (1/ts and (1/ts) / s normal); a product t / ts
+//   that is not finite (or above 2^100) is clamped to 448 either way. Rows with a larger
+//   ts take the IEEE divisions.
+// - 1 / s and (1/ts) / s with s and RN(1/s) from the per-CTA table of positive E4M3 codes.
+template <bool TWO_LEVEL>
+__device__ __forceinline__ uint32_t nvfp4_scale_fast(uint32_t amax, float ts, const Tables& t,
+                                                     float* mult) {
+  if (TWO_LEVEL && !(ts <= 0x1p100f)) {
+    const uint32_t sc = nvfp4_scale_code<true>(u2f(amax), ts);
+    *mult = nvfp4_elem_mult<true>(sc, ts);
+    return sc;
+  }
+  constexpr float kRcp6 = 0x1.555556p-3f;  // RN(1/6)
+  float q = div_markstein(u2f(amax), 6.0f, kRcp6);
+  float rts = 0.0f;
+  if (TWO_LEVEL) {
+    rts = 1.0f / ts;
+    const float q0 = q * rts;
+    q = q0 <= 0x1p100f ? div_markstein(q, ts, rts) : q0;
+  }
+  const uint32_t sc = e4m3_encode(clampf(q, 0x1p-6f, 448.0f));
+  const float2 e = t.e4m3[sc];  // (s, RN(1 / s))
+  *mult = TWO_LEVEL ? div_markstein(rts, e.x, e.y) : e.y;
+  return sc;
+}
+
 // ------------------------------------------------------------------ quantize one chunk
-// Codes (unpacked), scale bits and INT4 zero point of one chunk; every thread of the
-// block's group gets the same scale. amax: this chunk's absmax bits (before the group
-// reduction); tsr: the row's tensor scale (NVFP4 two-level). SR: the elements round
-// stochastically with the chunk's 16 random words `rnd` (stochastic.cuh), else to nearest;
-// the block scale is the same either way.
+// Packed codes (pack16's layout), scale bits and INT4 zero point of one chunk; every
+// thread of the block's group gets the same scale. st: this chunk's statistics
+// (chunk_stats, before the group reduction); tsr: the row's tensor scale (NVFP4
+// two-level). SR: the elements round stochastically with the chunk's 16 random words `rnd`
+// (stochastic.cuh), else to nearest; the block scale is the same either way.
 template <int FMT, bool SR = false>
-__device__ void quantize_chunk(const float* v, uint32_t amax, float tsr, const Params& p,
-                               Tables& t, float4 b, uint32_t* codes, uint32_t* scale_bits,
-                               uint32_t* zero, const uint32_t* rnd = nullptr) {
+__device__ uint4 quantize_chunk(const float* v, ChunkStats st, float tsr, const Params& p,
+                                Tables& t, float4 b, uint32_t* scale_bits, uint32_t* zero,
+                                const uint32_t* rnd = nullptr) {
   *zero = 0;
+  uint32_t amax = st.amax;
+  uint32_t codes[kChunk];
   if constexpr (FMT == kINT4) {
-    uint32_t kmin = 0x7fffffffu, kmax = 0x80000000u;
-#pragma unroll
-    for (int i = 0; i < kChunk; ++i) {
-      const uint32_t k = static_cast<uint32_t>(f32_order_key(v[i]));
-      kmin = MinI()(kmin, k);
-      kmax = MaxI()(kmax, k);
-    }
+    uint32_t kmin = static_cast<uint32_t>(f32_order_key(st.mn));
+    uint32_t kmax = static_cast<uint32_t>(f32_order_key(st.mx));
     amax = group_reduce(amax, p.G, MaxU(), t.red);
     kmin = group_reduce(kmin, p.G, MinI(), t.red);
     kmax = group_reduce(kmax, p.G, MaxI(), t.red);
     if (bits_nonfinite(amax)) {
-#pragma unroll
-      for (int i = 0; i < kChunk; ++i) codes[i] = 0;
       *scale_bits = scale_nan_bits(p.st);
-      return;
+      return make_uint4(0u, 0u, 0u, 0u);
     }
     const Int4Params q = int4_params(f32_from_order_key(static_cast<int32_t>(kmin)),
                                      f32_from_order_key(static_cast<int32_t>(kmax)), p.st);
+    const float r = 1.0f / q.s;
+    if (SR || !(u2f(amax) * r < 0x1p30f)) {  // SR, or a quotient that may overflow
 #pragma unroll
-    for (int i = 0; i < kChunk; ++i)
-      codes[i] = SR ? int4_encode_sr(v[i], q.s, q.z, rnd[i]) : int4_encode(v[i], q.s, q.z);
+      for (int i = 0; i < kChunk; ++i)
+        codes[i] = SR ? int4_encode_sr(v[i], q.s, q.z, rnd[i]) : int4_encode(v[i], q.s, q.z);
+    } else {
+      const int zi = static_cast<int>(q.z);
+#pragma unroll
+      for (int i = 0; i < kChunk; ++i) codes[i] = int4_encode_fast(v[i], q.s, r, zi);
+    }
     *scale_bits = q.scale_bits;
     *zero = static_cast<uint32_t>(static_cast<int32_t>(q.z));
+    return pack16<kBits<FMT>>(codes);
   } else {
     amax = group_reduce(amax, p.G, MaxU(), t.red);
     bool bad = bits_nonfinite(amax);
     if (FMT == kNVFP4 && p.two_level) bad = bad || nvfp4_bad_tensor_scale(tsr);
     if (bad) {
-#pragma unroll
-      for (int i = 0; i < kChunk; ++i) codes[i] = 0;
       *scale_bits = FMT == kNVFP4 ? kE4M3NaN : (is_mx(FMT) ? kE8M0NaN : kQuietNaNBits);
-      return;
+      return make_uint4(0u, 0u, 0u, 0u);
     }
     float mult;
     if constexpr (FMT == kNVFP4) {
-      const uint32_t sc = p.two_level ? nvfp4_scale_code<true>(u2f(amax), tsr)
-                                      : nvfp4_scale_code<false>(u2f(amax), tsr);
-      mult = p.two_level ? nvfp4_elem_mult<true>(sc, tsr) : nvfp4_elem_mult<false>(sc, tsr);
-      *scale_bits = sc;
+      *scale_bits = p.two_level ? nvfp4_scale_fast<true>(amax, tsr, t, &mult)
+                                : nvfp4_scale_fast<false>(amax, tsr, t, &mult);
     } else if constexpr (is_mx(FMT)) {
       const uint32_t sc = mx_scale_code<FMT>(amax, p.rceil);
       mult = e8m0_inverse(sc);
@@ -175,8 +218,9 @@ __device__ void quantize_chunk(const float* v, uint32_t amax, float tsr, const P
         else if constexpr (is_mx(FMT)) codes[i] = mx_encode_sr<FMT>(v[i], *scale_bits, rnd[i]);
         else codes[i] = codebook_encode_sr<FMT>(v[i], mult, rnd[i]);
       }
+      return pack16<kBits<FMT>>(codes);
     } else {
-      encode16<FMT>(v, mult, b, t, codes);
+      return encode16<FMT>(v, mult, b, t);
     }
   }
 }
@@ -241,7 +285,7 @@ __global__ void __launch_bounds__(kThreads, 2) quantize_kernel(
         const bool live = chunk < p.n_chunks;  // n_chunks is a multiple of G: whole groups
         float v[kChunk];
         L::to_f32(raw, v);
-        uint32_t c[kChunk], sb, z;
+        uint32_t sb, z;
         uint32_t r[SR ? kChunk : 1] = {};
         if constexpr (SR) {
           if (live) {  // 64 bytes per chunk: 16-byte aligned in XLA's buffers
@@ -256,10 +300,11 @@ __global__ void __launch_bounds__(kThreads, 2) quantize_kernel(
             }
           }
         }
-        quantize_chunk<FMT, SR>(v, L::amax_bits(raw), chunk_ts<FMT>(ts, at.row, live, p), p, t,
-                                b, c, &sb, &z, r);
+        const uint4 pk = quantize_chunk<FMT, SR>(v, chunk_stats<FMT, L>(raw),
+                                                 chunk_ts<FMT>(ts, at.row, live, p), p, t, b,
+                                                 &sb, &z, r);
         if (!live) return;
-        store_packed<kBits<FMT>>(codes + chunk * kChunkBytes<FMT>, pack16<kBits<FMT>>(c));
+        store_packed<kBits<FMT>>(codes + chunk * kChunkBytes<FMT>, pk);
         if ((chunk & (p.G - 1)) == 0) {
           const int64_t blk = chunk >> p.log2G;
           store_scale(scales, scale_slot(chunk, at, p), scale_bytes_of<FMT>(p), sb);
@@ -284,11 +329,11 @@ __global__ void __launch_bounds__(kThreads, 2) fake_quantize_kernel(
         float v[kChunk];
         L::to_f32(raw, v);
         const float tsr = chunk_ts<FMT>(ts, at.row, live, p);
-        uint32_t c[kChunk], sb, z;
-        quantize_chunk<FMT>(v, L::amax_bits(raw), tsr, p, t, b, c, &sb, &z);
+        uint32_t sb, z;
+        const uint4 pk = quantize_chunk<FMT>(v, chunk_stats<FMT, L>(raw), tsr, p, t, b, &sb, &z);
         if (!live) return;
         // every thread of the group holds the block's scale: decode locally
-        decode16<FMT>(pack16<kBits<FMT>>(c), block_factor<FMT>(sb, p.two_level, tsr, p.st),
+        decode16<FMT>(pk, block_factor<FMT>(sb, p.two_level, tsr, p.st),
                      static_cast<float>(z), t, v);
         L::store(y + chunk * kChunk, v);
       });

@@ -1,0 +1,189 @@
+// Exhaustive check of the quantize kernels' fast codecs against csrc/codecs.h, on the GPU
+// (the FMAs and conversions the kernels run):
+//   - e2m1_magnitude_biased (elements.cuh) == e2m1_encode(clamp(a, -6, 6)) for every a >= 0
+//     (finite or +Inf), and e2m1_pack8 == nvfp4_encode of each element, packed, on 2^32
+//     hashed 8-element groups (signs, zeros, both ends of the range);
+//   - nvfp4_scale_fast<false> (kernels.cuh) == nvfp4_scale_code / nvfp4_elem_mult for every
+//     finite amax >= 0, and nvfp4_scale_fast<true> for every finite amax and a set of tensor
+//     scales (both edges of its fast range, 2^-120 .. 2^100, and beyond);
+//   - int4_encode_fast (elements.cuh) == int4_encode for every bf16 x and every bf16 / f16
+//     scale of the range int4_params gives (s >= 6.6e-7), z in {0, 7, 8, 15}, wherever the
+//     kernel takes it (|x| RN(1/s) < 2^30); f32 x and s on 2^34 hashed pairs.
+// Not built by default:
+//   cmake --build BUILD_DIR --target check_codecs && BUILD_DIR/check_codecs
+// Prints the cases checked and the mismatches; exits 1 on any mismatch.
+#include <cstdio>
+
+#include "cuda/quant/kernels.cuh"
+
+namespace jf4 {
+namespace cuda {
+namespace check {
+
+struct Counts {
+  unsigned long long checked, bad;
+  uint32_t first_a, first_b;
+};
+
+__device__ void record(Counts* c, bool ok, uint32_t a, uint32_t b) {
+  if (ok) return;
+  if (atomicAdd(&c->bad, 1ull) == 0) {
+    c->first_a = a;
+    c->first_b = b;
+  }
+}
+
+__device__ uint32_t mix(uint64_t v) {  // splitmix64, upper half
+  v += 0x9e3779b97f4a7c15ull;
+  v = (v ^ (v >> 30)) * 0xbf58476d1ce4e5b9ull;
+  v = (v ^ (v >> 27)) * 0x94d049bb133111ebull;
+  return static_cast<uint32_t>((v ^ (v >> 31)) >> 32);
+}
+
+__global__ void e2m1_check(Counts* c) {
+  unsigned long long n = 0;
+  const uint32_t stride = gridDim.x * blockDim.x;
+  for (uint32_t a = blockIdx.x * blockDim.x + threadIdx.x; a <= kInfBits; a += stride) {
+    const uint32_t got = e2m1_magnitude_biased(u2f(a)) - kE2m1Bias;
+    record(c, got == e2m1_encode(clampf(u2f(a), -6.0f, 6.0f)), a, got);
+    ++n;
+  }
+  atomicAdd(&c->checked, n);
+}
+
+// Elements of magnitude 2^-6 .. 2^4 (some +-0), multipliers in [0.5, 2).
+__global__ void e2m1_pack_check(uint64_t groups, Counts* c) {
+  unsigned long long n = 0;
+  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+  for (uint64_t g = blockIdx.x * blockDim.x + threadIdx.x; g < groups; g += stride) {
+    float v[8];
+    uint32_t want = 0;
+    const float mult = u2f(0x3f000000u | (mix(9 * g) >> 8));
+    for (int i = 0; i < 8; ++i) {
+      const uint32_t h = mix(9 * g + 1 + i);
+      const uint32_t e = (h >> 23) % 12u, sign = h & 0x80000000u;  // e = 11: a signed zero
+      v[i] = u2f(e == 11u ? sign : sign | (121u + e) << 23 | (h & 0x7fffffu));
+      want |= nvfp4_encode(v[i], mult) << (4 * i);
+    }
+    record(c, e2m1_pack8(v, mult) == want, f2u(v[0]), f2u(mult));
+    ++n;
+  }
+  atomicAdd(&c->checked, n);
+}
+
+// amax over all finite non-negative float32 bit patterns, one tensor scale per launch.
+template <bool TWO_LEVEL>
+__global__ void nvfp4_scale_check(float ts, Counts* c) {
+  __shared__ Tables t;
+  build_encode_tables<kNVFP4>(t);
+  __syncthreads();
+  unsigned long long n = 0;
+  const uint32_t stride = gridDim.x * blockDim.x;
+  for (uint32_t a = blockIdx.x * blockDim.x + threadIdx.x; a < kInfBits; a += stride) {
+    float mult;
+    const uint32_t sc = nvfp4_scale_fast<TWO_LEVEL>(a, ts, t, &mult);
+    const uint32_t sc_ref = nvfp4_scale_code<TWO_LEVEL>(u2f(a), ts);
+    const float mult_ref = nvfp4_elem_mult<TWO_LEVEL>(sc_ref, ts);
+    record(c, sc == sc_ref && f2u(mult) == f2u(mult_ref), a, f2u(ts));
+    ++n;
+  }
+  atomicAdd(&c->checked, n);
+}
+
+__device__ void check_int4(float x, float s, Counts* c, unsigned long long* n) {
+  const float r = 1.0f / s;
+  if (!(fabsf(x) * r < 0x1p30f)) return;  // the kernel takes int4_encode there
+  const int zs[] = {0, 7, 8, 15};
+  for (int z : zs) {
+    record(c, int4_encode_fast(x, s, r, z) == int4_encode(x, s, static_cast<float>(z)), f2u(x),
+           f2u(s));
+    ++*n;
+  }
+}
+
+// Every finite 16-bit x (bf16 or f16 bits) against scales [s_lo, s_hi) of the same type.
+template <bool BF16>
+__global__ void int4_check16(uint32_t s_lo, uint32_t s_hi, Counts* c) {
+  unsigned long long n = 0;
+  const uint64_t total = static_cast<uint64_t>(s_hi - s_lo) << 16;
+  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+  for (uint64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
+    const uint32_t xb = i & 0xffffu, sb = s_lo + static_cast<uint32_t>(i >> 16);
+    const float x = BF16 ? bf16_to_f32(xb) : f16_to_f32(xb);
+    const float s = BF16 ? bf16_to_f32(sb) : f16_to_f32(sb);
+    if ((f2u(x) & kAbsMask) >= kInfBits) continue;
+    check_int4(x, s, c, &n);
+  }
+  atomicAdd(&c->checked, n);
+}
+
+// Hashed float32 pairs: x any finite value, s in [2^-21, 2^126).
+__global__ void int4_check32(uint64_t pairs, Counts* c) {
+  unsigned long long n = 0;
+  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+  for (uint64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < pairs; i += stride) {
+    const uint32_t xb = mix(2 * i), h = mix(2 * i + 1);
+    const uint32_t sb = ((h >> 23) % 147u + 106u) << 23 | (h & 0x7fffffu);
+    const float x = u2f(xb);
+    if ((xb & kAbsMask) >= kInfBits) continue;
+    check_int4(x, u2f(sb), c, &n);
+  }
+  atomicAdd(&c->checked, n);
+}
+
+int report(const char* what, Counts* c) {
+  cudaError_t e = cudaDeviceSynchronize();
+  if (e != cudaSuccess) {
+    std::printf("%s: CUDA error %s\n", what, cudaGetErrorString(e));
+    return 1;
+  }
+  std::printf("%-44s checked %14llu  mismatches %llu", what, c->checked, c->bad);
+  if (c->bad) std::printf("  (first: 0x%08x / 0x%08x)", c->first_a, c->first_b);
+  std::printf("\n");
+  const int bad = c->bad != 0;
+  *c = Counts{};
+  return bad;
+}
+
+}  // namespace check
+}  // namespace cuda
+}  // namespace jf4
+
+int main() {
+  using namespace jf4;
+  using namespace jf4::cuda;
+  using namespace jf4::cuda::check;
+  Counts* c = nullptr;
+  cudaMallocManaged(&c, sizeof(Counts));
+  *c = Counts{};
+  int sms = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  const int grid = sms * 8, block = 256;
+  int bad = 0;
+
+  e2m1_check<<<grid, block>>>(c);
+  bad |= report("e2m1 magnitude, every a >= 0", c);
+  e2m1_pack_check<<<grid, block>>>(1ull << 32, c);
+  bad |= report("e2m1 pack of 8, hashed groups", c);
+  nvfp4_scale_check<false><<<grid, block>>>(1.0f, c);
+  bad |= report("nvfp4 one level, every amax", c);
+  const float tss[] = {0x1p-120f, 0x1.000002p-120f, 1.0f / 2688.0f, 0.37f, 1.0f, 3.0f,
+                       1.1754944e-38f * 0x1p10f, 2688.0f, 0x1.fffffep99f, 0x1p100f,
+                       0x1.000002p100f, 0x1p120f, 3.4028235e38f};
+  for (float ts : tss) {
+    nvfp4_scale_check<true><<<grid, block>>>(ts, c);
+    char what[64];
+    std::snprintf(what, sizeof(what), "nvfp4 two level, every amax, ts %a", ts);
+    bad |= report(what, c);
+  }
+  // bf16 scales from 2^-21 (0x3500) to the largest finite (0x7f7f); f16 from the
+  // smallest subnormal to 65504 (0x7bff).
+  int4_check16<true><<<grid, block>>>(0x3500u, 0x7f80u, c);
+  bad |= report("int4, every bf16 x and bf16 scale", c);
+  int4_check16<false><<<grid, block>>>(0x0001u, 0x7c00u, c);
+  bad |= report("int4, every f16 x and f16 scale", c);
+  int4_check32<<<grid, block>>>(1ull << 34, c);
+  bad |= report("int4, hashed f32 x and scale", c);
+  std::printf(bad ? "FAILED\n" : "all equal\n");
+  return bad;
+}
