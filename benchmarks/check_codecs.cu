@@ -1,5 +1,7 @@
 // Exhaustive check of the quantize kernels' fast codecs against csrc/codecs.h, on the GPU
 // (the FMAs and conversions the kernels run):
+//   - codebook_encode_cells (elements.cuh) == codebook_code(codebook_position(s, 1)) for
+//     every float32 s but NaN, nf4 and bnb_fp4;
 //   - e2m1_magnitude_biased (elements.cuh) == e2m1_encode(clamp(a, -6, 6)) for every a >= 0
 //     (finite or +Inf), and e2m1_pack8 == nvfp4_encode of each element, packed, on 2^32
 //     hashed 8-element groups (signs, zeros, both ends of the range);
@@ -66,6 +68,24 @@ __global__ void e2m1_pack_check(uint64_t groups, Counts* c) {
       want |= nvfp4_encode(v[i], mult) << (4 * i);
     }
     record(c, e2m1_pack8(v, mult) == want, f2u(v[0]), f2u(mult));
+    ++n;
+  }
+  atomicAdd(&c->checked, n);
+}
+
+// Every float32 s but NaN, as x with multiplier 1.
+template <int FMT>
+__global__ void codebook_check(Counts* c) {
+  __shared__ float2 cells[kCodebookCells];
+  build_codebook_cells<FMT>(cells);
+  __syncthreads();
+  unsigned long long n = 0;
+  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+  for (uint64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < (1ull << 32); i += stride) {
+    const uint32_t sb = static_cast<uint32_t>(i);
+    if ((sb & kAbsMask) > kInfBits) continue;
+    const uint32_t got = codebook_encode_cells(u2f(sb), 1.0f, cells);
+    record(c, got == codebook_code<FMT>(codebook_position<FMT>(u2f(sb), 1.0f)), sb, got);
     ++n;
   }
   atomicAdd(&c->checked, n);
@@ -165,6 +185,10 @@ int main() {
   bad |= report("e2m1 magnitude, every a >= 0", c);
   e2m1_pack_check<<<grid, block>>>(1ull << 32, c);
   bad |= report("e2m1 pack of 8, hashed groups", c);
+  codebook_check<kNF4><<<grid, block>>>(c);
+  bad |= report("nf4 code, every s", c);
+  codebook_check<kBNB_FP4><<<grid, block>>>(c);
+  bad |= report("bnb_fp4 code, every s", c);
   nvfp4_scale_check<false><<<grid, block>>>(1.0f, c);
   bad |= report("nvfp4 one level, every amax", c);
   const float tss[] = {0x1p-120f, 0x1.000002p-120f, 1.0f / 2688.0f, 0.37f, 1.0f, 3.0f,

@@ -205,7 +205,8 @@ __device__ uint4 load_packed(const uint8_t* p) {
 // Per-CTA shared-memory tables, built once from codecs.h:
 //  - decode: element values; 4-bit formats as float2 pairs indexed by a code byte
 //    (two elements per lookup), 6- and 8-bit formats one float per code;
-//  - codebook quantize: the 15 boundaries (+Inf as a 16th) and the position -> code order.
+//  - NVFP4 quantize: each positive E4M3 scale and its correctly rounded reciprocal;
+//  - codebook quantize: the cell table (codebook_cells below), a shared array of its own.
 template <int FMT>
 constexpr int kBits = elem_bits(FMT);
 template <int FMT>
@@ -214,8 +215,6 @@ constexpr int kChunkBytes = kChunk * elem_bits(FMT) / 8;  // packed codes of one
 struct Tables {
   float dec[512];
   float2 e4m3[128];  // NVFP4 quantize: (s, RN(1 / s)) of each positive E4M3 code
-  alignas(16) float bnd[16];
-  uint32_t order[16];
   uint32_t red[kThreads / 32];
 };
 
@@ -239,10 +238,31 @@ __device__ void build_encode_tables(Tables& t) {
       t.e4m3[c] = make_float2(s, 1.0f / s);
     }
   }
+}
+
+// Codebook quantize (nf4, bnb_fp4) by table: the float line cut into the 2048 cells of floats
+// that share their top 11 bits (sign, exponent, 2 mantissa bits), each an interval of values.
+// No cell holds two boundaries of either codebook, so a cell's entry is the boundary B inside
+// it (or +Inf) and the codes of the positions below and above it: the code of s is byte
+// (s > B) of the entry's code word. kCodebookCells entries of 8 bytes, 16 KB.
+constexpr int kCodebookCells = 2048;
+
+template <int FMT>
+__device__ void build_codebook_cells(float2* cells) {
   if constexpr (is_codebook(FMT)) {
-    if (threadIdx.x < 16) {
-      t.bnd[threadIdx.x] = threadIdx.x < 15 ? Codebook<FMT>::bound(threadIdx.x) : u2f(kInfBits);
-      t.order[threadIdx.x] = Codebook<FMT>::order(threadIdx.x);
+    for (int i = threadIdx.x; i < kCodebookCells; i += blockDim.x) {
+      const float a = u2f(static_cast<uint32_t>(i) << 21);
+      const float b = u2f(static_cast<uint32_t>(i) << 21 | 0x1fffffu);
+      const float lo = fminf(a, b), hi = fmaxf(a, b);  // the cells of Inf / NaN: unused
+      uint32_t below = 0;  // boundaries below the cell
+      float bound = u2f(kInfBits);
+      for (int j = 0; j < 15; ++j) {
+        const float bj = Codebook<FMT>::bound(j);
+        if (bj < lo) ++below;
+        else if (bj <= hi) bound = bj;
+      }
+      const uint32_t codes = codebook_code<FMT>(below) | codebook_code<FMT>(below + 1u) << 8;
+      cells[i] = make_float2(bound, u2f(codes));
     }
   }
 }
@@ -313,35 +333,33 @@ __device__ __forceinline__ uint32_t int4_encode_fast(float x, float s, float r, 
   return static_cast<uint32_t>(min(max(n, -zi), 15 - zi) + zi);
 }
 
-// == codebook_code<FMT>(codebook_position<FMT>(x, mult)): the number of boundaries below
-// x * mult, by binary search: two levels against boundaries held in registers (b.x = B3,
-// b.y = B7, b.z = B11), two against one float4 of the 16-entry table (B15 = +Inf). The
-// clamp to [-1, 1] of the spec does not change the count: every boundary lies inside.
-template <int FMT>
-__device__ __forceinline__ uint32_t codebook_encode_fast(float x, float mult, float4 b,
-                                                          const Tables& t) {
+// == codebook_code<FMT>(codebook_position<FMT>(x, mult)) from the cell table: the number of
+// boundaries below s = x mult is the cell's count below, plus one where s > B, i.e. where
+// the sign bit of B - s is set (B - s is +0 for s == B). The cell index and that bit come
+// from high halves of products, the code from a byte permute: one integer-pipe instruction.
+// The clamp to [-1, 1] of the spec does not change the count: every boundary lies inside.
+__device__ __forceinline__ uint32_t codebook_encode_cells(float x, float mult,
+                                                          const float2* cells) {
   const float s = x * mult;
-  const bool p1 = s > b.y;
-  const bool p2 = s > (p1 ? b.z : b.x);
-  uint32_t n = (p1 ? 8u : 0u) + (p2 ? 4u : 0u);
-  const float4 q = reinterpret_cast<const float4*>(t.bnd)[n >> 2];  // B[n .. n+3]
-  const bool p3 = s > q.y;
-  n += p3 ? 2u : 0u;
-  n += s > (p3 ? q.z : q.x) ? 1u : 0u;
-  return FMT == kNF4 ? n : t.order[n];
+  const float2 c = cells[__umulhi(f2u(s), kCodebookCells)];
+  const uint32_t above = __umulhi(f2u(c.x - s), 2u);
+  return __byte_perm(f2u(c.y), 0u, 0x4440u + above);
 }
 
 // Packed codes of the 16 elements of a chunk (NVFP4, MX, codebooks) from the block
 // multiplier.
 template <int FMT>
-__device__ uint4 encode16(const float* v, float mult, float4 b, const Tables& t) {
+__device__ uint4 encode16(const float* v, float mult, const float2* cells) {
   if constexpr (FMT == kNVFP4 || FMT == kMXFP4) {
     return make_uint4(e2m1_pack8(v, mult), e2m1_pack8(v + 8, mult), 0u, 0u);
   } else {
     uint32_t c[kChunk];
-    if constexpr (is_codebook(FMT)) {
+    if constexpr (is_codebook(FMT)) {  // codes < 16 accumulate as e2m1_pack8's
+      uint32_t w[2] = {0u, 0u};
 #pragma unroll
-      for (int i = 0; i < kChunk; ++i) c[i] = codebook_encode_fast<FMT>(v[i], mult, b, t);
+      for (int i = 0; i < kChunk; ++i)
+        w[i / 8] += codebook_encode_cells(v[i], mult, cells) << (4 * (i % 8));
+      return make_uint4(w[0], w[1], 0u, 0u);
     } else if constexpr ((FMT == kMXFP8_E4M3 || FMT == kMXFP8_E5M2) && kHwFp8) {
       // cvt.rn.satfinite.{e4m3,e5m2}x2.f32: RNE, saturating to the largest finite value,
       // i.e. mx_encode's clamp + encode.

@@ -80,16 +80,25 @@ __device__ uint32_t load_scale(const void* scales, int64_t idx, int sbytes) {
 }
 
 // ------------------------------------------------------------------ group reductions
-// Reduce over the G threads of a quantization block (G a power of two, aligned groups).
+// Reduce over the G = 2^log2G threads of a quantization block (aligned groups): a
+// butterfly over the xor offsets below G, entered at the first one (the same in every
+// thread) and straight from there.
 template <typename Op>
-__device__ uint32_t group_reduce(uint32_t v, int G, Op op, uint32_t* smem) {
-  const int lanes = G < 32 ? G : 32;
-  for (int o = lanes / 2; o > 0; o /= 2) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+__device__ uint32_t group_reduce(uint32_t v, int G, int log2G, Op op, uint32_t* smem) {
+  auto step = [&](int o) { v = op(v, __shfl_xor_sync(0xffffffffu, v, o)); };
+  switch (log2G < 5 ? log2G : 5) {
+    case 5: step(16); [[fallthrough]];
+    case 4: step(8); [[fallthrough]];
+    case 3: step(4); [[fallthrough]];
+    case 2: step(2); [[fallthrough]];
+    case 1: step(1); [[fallthrough]];
+    default: break;
+  }
   if (G <= 32) return v;
   // G in {64, ..., 512}: combine the G/32 warps of the group through shared memory.
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
   __syncthreads();
-  if (lane == 0) smem[warp] = v;
+  if (threadIdx.x % 32 == 0) smem[warp] = v;
   __syncthreads();
   const int first = warp & ~(G / 32 - 1);
   uint32_t r = smem[first];
@@ -97,7 +106,9 @@ __device__ uint32_t group_reduce(uint32_t v, int G, Op op, uint32_t* smem) {
   return r;
 }
 
-struct MaxU { __device__ uint32_t operator()(uint32_t a, uint32_t b) const { return a > b ? a : b; } };
+struct MaxU {
+  __device__ uint32_t operator()(uint32_t a, uint32_t b) const { return a > b ? a : b; }
+};
 struct MinI {
   __device__ uint32_t operator()(uint32_t a, uint32_t b) const {
     return static_cast<int32_t>(a) < static_cast<int32_t>(b) ? a : b;
@@ -161,17 +172,17 @@ __device__ __forceinline__ uint32_t nvfp4_scale_fast(uint32_t amax, float ts, co
 // (stochastic.cuh), else to nearest; the block scale is the same either way.
 template <int FMT, bool SR = false>
 __device__ uint4 quantize_chunk(const float* v, ChunkStats st, float tsr, const Params& p,
-                                Tables& t, float4 b, uint32_t* scale_bits, uint32_t* zero,
-                                const uint32_t* rnd = nullptr) {
+                                Tables& t, const float2* cells, uint32_t* scale_bits,
+                                uint32_t* zero, const uint32_t* rnd = nullptr) {
   *zero = 0;
   uint32_t amax = st.amax;
   uint32_t codes[kChunk];
   if constexpr (FMT == kINT4) {
     uint32_t kmin = static_cast<uint32_t>(f32_order_key(st.mn));
     uint32_t kmax = static_cast<uint32_t>(f32_order_key(st.mx));
-    amax = group_reduce(amax, p.G, MaxU(), t.red);
-    kmin = group_reduce(kmin, p.G, MinI(), t.red);
-    kmax = group_reduce(kmax, p.G, MaxI(), t.red);
+    amax = group_reduce(amax, p.G, p.log2G, MaxU(), t.red);
+    kmin = group_reduce(kmin, p.G, p.log2G, MinI(), t.red);
+    kmax = group_reduce(kmax, p.G, p.log2G, MaxI(), t.red);
     if (bits_nonfinite(amax)) {
       *scale_bits = scale_nan_bits(p.st);
       return make_uint4(0u, 0u, 0u, 0u);
@@ -192,7 +203,7 @@ __device__ uint4 quantize_chunk(const float* v, ChunkStats st, float tsr, const 
     *zero = static_cast<uint32_t>(static_cast<int32_t>(q.z));
     return pack16<kBits<FMT>>(codes);
   } else {
-    amax = group_reduce(amax, p.G, MaxU(), t.red);
+    amax = group_reduce(amax, p.G, p.log2G, MaxU(), t.red);
     bool bad = bits_nonfinite(amax);
     if (FMT == kNVFP4 && p.two_level) bad = bad || nvfp4_bad_tensor_scale(tsr);
     if (bad) {
@@ -220,16 +231,9 @@ __device__ uint4 quantize_chunk(const float* v, ChunkStats st, float tsr, const 
       }
       return pack16<kBits<FMT>>(codes);
     } else {
-      return encode16<FMT>(v, mult, b, t);
+      return encode16<FMT>(v, mult, cells);
     }
   }
-}
-
-// Codebook boundaries B3, B7, B11 (the first two binary-search levels) in registers.
-template <int FMT>
-__device__ float4 codebook_b(const Tables& t) {
-  if constexpr (is_codebook(FMT)) return make_float4(t.bnd[3], t.bnd[7], t.bnd[11], 0.0f);
-  return make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 }
 
 // The row tensor scale of a live chunk (NVFP4 two-level; 0 otherwise).
@@ -275,10 +279,12 @@ __global__ void __launch_bounds__(kThreads, 2) quantize_kernel(
     const typename L::storage* __restrict__ x, const float* __restrict__ ts,
     const uint32_t* __restrict__ rand, uint8_t* __restrict__ codes, void* __restrict__ scales,
     uint8_t* __restrict__ zeros, Params p) {
+  constexpr bool kCells = is_codebook(FMT) && !SR;
   __shared__ Tables t;
+  __shared__ float2 cells[kCells ? kCodebookCells : 1];
   build_encode_tables<FMT>(t);
+  if constexpr (kCells) build_codebook_cells<FMT>(cells);
   __syncthreads();
-  const float4 b = codebook_b<FMT>(t);
   for_each_chunk<typename L::Raw>(
       p, [&](int64_t c, const RowCursor&) { return load_x<L>(x, c, p.n_chunks); },
       [&](int64_t chunk, const RowCursor& at, const typename L::Raw& raw) {
@@ -301,8 +307,8 @@ __global__ void __launch_bounds__(kThreads, 2) quantize_kernel(
           }
         }
         const uint4 pk = quantize_chunk<FMT, SR>(v, chunk_stats<FMT, L>(raw),
-                                                 chunk_ts<FMT>(ts, at.row, live, p), p, t, b,
-                                                 &sb, &z, r);
+                                                 chunk_ts<FMT>(ts, at.row, live, p), p, t,
+                                                 cells, &sb, &z, r);
         if (!live) return;
         store_packed<kBits<FMT>>(codes + chunk * kChunkBytes<FMT>, pk);
         if ((chunk & (p.G - 1)) == 0) {
@@ -318,10 +324,11 @@ __global__ void __launch_bounds__(kThreads, 2) fake_quantize_kernel(
     const typename L::storage* __restrict__ x, const float* __restrict__ ts,
     typename L::storage* __restrict__ y, Params p) {
   __shared__ Tables t;
+  __shared__ float2 cells[is_codebook(FMT) ? kCodebookCells : 1];
   build_encode_tables<FMT>(t);
+  build_codebook_cells<FMT>(cells);
   build_decode_table<FMT>(t);
   __syncthreads();
-  const float4 b = codebook_b<FMT>(t);
   for_each_chunk<typename L::Raw>(
       p, [&](int64_t c, const RowCursor&) { return load_x<L>(x, c, p.n_chunks); },
       [&](int64_t chunk, const RowCursor& at, const typename L::Raw& raw) {
@@ -330,7 +337,7 @@ __global__ void __launch_bounds__(kThreads, 2) fake_quantize_kernel(
         L::to_f32(raw, v);
         const float tsr = chunk_ts<FMT>(ts, at.row, live, p);
         uint32_t sb, z;
-        const uint4 pk = quantize_chunk<FMT>(v, chunk_stats<FMT, L>(raw), tsr, p, t, b, &sb, &z);
+        const uint4 pk = quantize_chunk<FMT>(v, chunk_stats<FMT, L>(raw), tsr, p, t, cells, &sb, &z);
         if (!live) return;
         // every thread of the group holds the block's scale: decode locally
         decode16<FMT>(pk, block_factor<FMT>(sb, p.two_level, tsr, p.st),
