@@ -222,9 +222,9 @@ def test_cuda_division_shortcuts_and_fallbacks(dtype, rng):
             return qa.data, qa.scales, jf.fake_quantize(v, "nvfp4", tensor_scale=ts)
         return f
 
+    edge = 2.0 ** 100  # the largest tensor scale of the fast path
     fns = [int4, nvfp4(None)] + [nvfp4(np.float32(ts)) for ts in (
-        2.0 ** -120, 1 / 2688, 2.0 ** 100 * (1 - 2.0 ** -24), 2.0 ** 100, 2.0 ** 100 * (1 + 2.0 ** -23),
-        2.0 ** 110)]
+        2.0 ** -120, 1 / 2688, edge * (1 - 2.0 ** -24), edge, edge * (1 + 2.0 ** -23), 2.0 ** 110)]
     for i, fn in enumerate(fns):
         for name, g, w in zip(("data", "scales", "zeros / fake-quantized"),
                               _run(fn, x, "kernels", _gpu()), _run(fn, x, "reference", _cpu())):

@@ -206,7 +206,8 @@ __device__ uint4 load_packed(const uint8_t* p) {
 //  - decode: element values; 4-bit formats as float2 pairs indexed by a code byte
 //    (two elements per lookup), 6- and 8-bit formats one float per code;
 //  - NVFP4 quantize: each positive E4M3 scale and its correctly rounded reciprocal;
-//  - codebook quantize: the cell table (codebook_cells below), a shared array of its own.
+//  - codebook quantize: the cell table (build_codebook_cells below), a shared array of its
+//    own.
 template <int FMT>
 constexpr int kBits = elem_bits(FMT);
 template <int FMT>

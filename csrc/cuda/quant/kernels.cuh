@@ -337,7 +337,8 @@ __global__ void __launch_bounds__(kThreads, 2) fake_quantize_kernel(
         L::to_f32(raw, v);
         const float tsr = chunk_ts<FMT>(ts, at.row, live, p);
         uint32_t sb, z;
-        const uint4 pk = quantize_chunk<FMT>(v, chunk_stats<FMT, L>(raw), tsr, p, t, cells, &sb, &z);
+        const uint4 pk =
+            quantize_chunk<FMT>(v, chunk_stats<FMT, L>(raw), tsr, p, t, cells, &sb, &z);
         if (!live) return;
         // every thread of the group holds the block's scale: decode locally
         decode16<FMT>(pk, block_factor<FMT>(sb, p.two_level, tsr, p.st),
