@@ -2,7 +2,8 @@
 // size, element loads and stores for f32 / bf16 / f16 (Io*), code packing, the
 // shared-memory decode / encode tables and the per-element codecs (hardware conversions
 // where they are the spec's rounding, else fast forms equal to csrc/codecs.h on the inputs
-// they receive). Device code in an anonymous namespace, included by quant.cu only.
+// they receive). Device code in an anonymous namespace, included by quant.cu (and by
+// benchmarks/check_codecs.cu, which checks the fast forms exhaustively).
 #ifndef JAX_FP4_CSRC_CUDA_QUANT_ELEMENTS_CUH_
 #define JAX_FP4_CSRC_CUDA_QUANT_ELEMENTS_CUH_
 
@@ -278,7 +279,10 @@ constexpr bool kHwFp8 = false;
 
 // Fast forms of the codecs.h element encoders, equal to them on the inputs they get here
 // (finite x, finite multiplier > 0; the kernels give non-finite blocks the NaN scale
-// first). The GPU tests check them bit for bit against the reference.
+// first). benchmarks/check_codecs.cu compares them with codecs.h over every input that
+// decides them; the GPU tests check the kernels bit for bit against the reference. They
+// keep to the FP32 pipe where they can: the integer pipe issues at half its rate on
+// sm_80-sm_90 and bounded the quantize kernels before.
 
 // E2M1 (nvfp4_encode(x, mult) == mx_encode<kMXFP4>(x, mult)) on the FMA pipe. The
 // magnitude code of a = |x| mult, clamped to 6 and rounded to nearest even, is the minimum
@@ -337,7 +341,7 @@ __device__ __forceinline__ uint32_t int4_encode_fast(float x, float s, float r, 
 // == codebook_code<FMT>(codebook_position<FMT>(x, mult)) from the cell table: the number of
 // boundaries below s = x mult is the cell's count below, plus one where s > B, i.e. where
 // the sign bit of B - s is set (B - s is +0 for s == B). The cell index and that bit come
-// from high halves of products, the code from a byte permute: one integer-pipe instruction.
+// from high halves of products (IMAD.HI, on the FMA pipe), the code from one byte permute.
 // The clamp to [-1, 1] of the spec does not change the count: every boundary lies inside.
 __device__ __forceinline__ uint32_t codebook_encode_cells(float x, float mult,
                                                           const float2* cells) {
