@@ -27,6 +27,19 @@ def _bits(a):
     return a.view({2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
 
 
+def _assert_bnb_equal(ours, ref, packed):
+    """ours == bitsandbytes' dequantize ``ref`` bit for bit, except that on a CPU without
+    AVX-512 bitsandbytes decodes FP4 code 8 as -0 where its table (and we) give +0
+    (docs/spec.md section 3; pinned in tests/test_peers.py): only those cells may differ,
+    and only by that sign. ``packed``: bitsandbytes' uint8 codes (high nibble first)."""
+    ours, ref = _bits(ours), _bits(ref)
+    b = np.asarray(packed).reshape(-1)
+    codes = np.stack([b >> 4, b & 15], -1).reshape(-1)[:ours.size].reshape(ours.shape)
+    sign = ours.dtype.type(1 << (8 * ours.itemsize - 1))
+    allowed = (codes == 8) & (ours == 0) & (ref == sign)
+    np.testing.assert_array_equal(np.where(allowed, ref, ours), ref)
+
+
 def _save_dir(d, sd, config=None, extra=None):
     os.makedirs(d, exist_ok=True)
     stt.save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(d, "model.safetensors"),
@@ -73,7 +86,7 @@ def test_bnb_loads_bit_exact_and_back(tmp_path, rng, qt, nested, blocksize):
     assert isinstance(q, jf.QArray) and q.format == {"nf4": "nf4", "fp4": "bnb_fp4"}[qt]
     assert (q.shape, q.axis, q.block_size, q.dtype) == ((64, 256), 1, blocksize,
                                                         np.dtype(ml_dtypes.bfloat16))
-    np.testing.assert_array_equal(_bits(q.dequantize()), _bits(ref))
+    _assert_bnb_equal(q.dequantize(), ref, sd["l.weight"])
     np.testing.assert_array_equal(np.asarray(t["l.bias"], np.float32), np.arange(64))
     # ours back into bitsandbytes: QuantState.from_dict + dequantize_4bit
     jio.save(tmp_path / "ours", t, convention="bitsandbytes")
@@ -411,7 +424,7 @@ def test_sharded_directory(tmp_path, rng):
         stt.save_file({n: sd[n] for n in names if half[n] == f}, str(d / f))
     json.dump({"weight_map": half}, open(d / "model.safetensors.index.json", "w"))
     q = jio.load(d)["l.weight"]
-    np.testing.assert_array_equal(_bits(q.dequantize()), _bits(ref))
+    _assert_bnb_equal(q.dequantize(), ref, sd["l.weight"])
     os.remove(d / "model-00002-of-00002.safetensors")
     with pytest.raises(CheckpointError, match="shard 'model-00002-of-00002.safetensors'"):
         jio.load(d)

@@ -64,7 +64,9 @@ def _readme_demo_rows():
 def test_readme_demo_table_is_what_the_demo_prints():
     """The quality columns of the README's demo rows float32 and nvfp4:nvfp4 (whose
     numbers had drifted from the demo's) are the demo's output on all the packaged
-    sentences, digit for digit."""
+    sentences: sizes digit for digit; the scores to within what XLA's float32 summation
+    order on another CPU moves them (1e-3 for the cosines and Spearman, 0.01 for top-1:
+    with quantized activations a moved float can flip an activation's rounding)."""
     pytest.importorskip("flax")
     pytest.importorskip("tokenizers")
     from jax_fp4.models import demo, minilm
@@ -82,4 +84,7 @@ def test_readme_demo_table_is_what_the_demo_prints():
         printed[(cells[0], cells[1])] = cells[2:8]
     assert set(printed) <= set(rows)
     for key, cells in printed.items():
-        assert rows[key] == cells, key
+        assert rows[key][:2] == cells[:2], key
+        tol = [1e-3, 1e-3, 1e-3, 1e-2]
+        assert all(abs(float(a) - float(b)) <= t + 1e-9
+                   for a, b, t in zip(rows[key][2:], cells[2:], tol)), (key, rows[key], cells)
