@@ -8,13 +8,18 @@
 //   - nvfp4_scale_fast<false> (kernels.cuh) == nvfp4_scale_code / nvfp4_elem_mult for every
 //     finite amax >= 0, and nvfp4_scale_fast<true> for every finite amax and a set of tensor
 //     scales (both edges of its fast range, 2^-120 .. 2^100, and beyond);
-//   - int4_encode_fast (elements.cuh) == int4_encode for every bf16 x and every bf16 / f16
-//     scale of the range int4_params gives (s >= 6.6e-7), z in {0, 7, 8, 15}, wherever the
-//     kernel takes it (|x| RN(1/s) < 2^30); f32 x and s on 2^34 hashed pairs.
+//   - int4_code_biased (elements.cuh) == int4_encode for every bf16 x and every bf16 / f16
+//     scale of the range int4_params gives (s >= 6.6e-7), every z, wherever the kernel
+//     takes it (|x| RN(1/s) < kInt4FastLimit); f32 x and s on 2^34 hashed pairs;
+//   - int4_params_fast (kernels.cuh) == int4_params for every d / 15 it divides, every
+//     pair min <= max of finite bf16 or f16 values and each scale type, and hashed f32
+//     pairs; int4_keys / key_min / int4_range (elements.cuh) == block_minmax on hashed
+//     blocks of 32 bf16 / f16 / f32 elements with zeros, infinities and NaNs.
 // Not built by default:
-//   cmake --build BUILD_DIR --target check_codecs && BUILD_DIR/check_codecs
+//   cmake --build BUILD_DIR --target check_codecs && BUILD_DIR/check_codecs [SUBSTRING]
 // Prints the cases checked and the mismatches; exits 1 on any mismatch.
 #include <cstdio>
+#include <cstring>
 
 #include "cuda/quant/kernels.cuh"
 
@@ -112,11 +117,11 @@ __global__ void nvfp4_scale_check(float ts, Counts* c) {
 
 __device__ void check_int4(float x, float s, Counts* c, unsigned long long* n) {
   const float r = 1.0f / s;
-  if (!(fabsf(x) * r < 0x1p30f)) return;  // the kernel takes int4_encode there
-  const int zs[] = {0, 7, 8, 15};
-  for (int z : zs) {
-    record(c, int4_encode_fast(x, s, r, z) == int4_encode(x, s, static_cast<float>(z)), f2u(x),
-           f2u(s));
+  if (!(fabsf(x) * r < kInt4FastLimit)) return;  // the kernel takes int4_encode there
+  for (int z = 0; z < 16; ++z) {
+    const float zf = static_cast<float>(z);
+    record(c, int4_code_biased(x, s, r, zf - kRne) - kE2m1Bias == int4_encode(x, s, zf), f2u(x),
+           f2u(s) ^ static_cast<uint32_t>(z));
     ++*n;
   }
 }
@@ -151,6 +156,111 @@ __global__ void int4_check32(uint64_t pairs, Counts* c) {
   atomicAdd(&c->checked, n);
 }
 
+// d / 15 for every float32 d in [1e-5, 2^127) (int4_params_fast's range for it).
+__global__ void div15_check(Counts* c) {
+  unsigned long long n = 0;
+  const uint32_t lo = f2u(1e-5f), hi = f2u(0x1p127f);
+  const uint32_t stride = gridDim.x * blockDim.x;
+  for (uint32_t b = lo + blockIdx.x * blockDim.x + threadIdx.x; b < hi; b += stride) {
+    const float d = u2f(b);
+    record(c, f2u(div_markstein(d, 15.0f, 1.0f / 15.0f)) == f2u(d / 15.0f), b, 0u);
+    ++n;
+  }
+  atomicAdd(&c->checked, n);
+}
+
+__device__ void check_params(float mn, float mx, Counts* c, unsigned long long* n) {
+  for (int st = 0; st < 3; ++st) {
+    float r;
+    const Int4Params got = int4_params_fast(mn, mx, st, &r);
+    const Int4Params want = int4_params(mn, mx, st);
+    record(c,
+           got.scale_bits == want.scale_bits && f2u(got.s) == f2u(want.s) &&
+               f2u(got.z) == f2u(want.z) && f2u(r) == f2u(1.0f / want.s),
+           f2u(mn), f2u(mx));
+    ++*n;
+  }
+}
+
+// Every pair mn <= mx of finite 16-bit values (bf16 or f16 bits), each scale type.
+template <bool BF16>
+__global__ void int4_params_check16(Counts* c) {
+  unsigned long long n = 0;
+  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+  for (uint64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < (1ull << 32); i += stride) {
+    const uint32_t ab = i & 0xffffu, bb = static_cast<uint32_t>(i >> 16);
+    const float a = BF16 ? bf16_to_f32(ab) : f16_to_f32(ab);
+    const float b = BF16 ? bf16_to_f32(bb) : f16_to_f32(bb);
+    if (!(a <= b) || !isfinite(a) || !isfinite(b)) continue;
+    check_params(a, b, c, &n);
+  }
+  atomicAdd(&c->checked, n);
+}
+
+// Hashed finite float32 pairs, ordered.
+__global__ void int4_params_check32(uint64_t pairs, Counts* c) {
+  unsigned long long n = 0;
+  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+  for (uint64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < pairs; i += stride) {
+    const float a = u2f(mix(2 * i)), b = u2f(mix(2 * i + 1));
+    if (!isfinite(a) || !isfinite(b)) continue;
+    check_params(fminf(a, b), fmaxf(a, b), c, &n);
+  }
+  atomicAdd(&c->checked, n);
+}
+
+// A hashed element: mostly finite values of every magnitude, some +-0, +-Inf and NaNs.
+__device__ uint32_t hashed_bits32(uint64_t h64) {
+  const uint32_t h = mix(h64), kind = h % 64u, sign = h & 0x80000000u;
+  if (kind == 0) return sign;                                      // +-0
+  if (kind == 1) return sign | kInfBits;                           // +-Inf
+  if (kind == 2) return sign | kInfBits | 1u | (h >> 9 & 0x3fffffu);  // NaN
+  return h ^ (kind & 1u ? 0u : 0x40000000u);  // any float, many large magnitudes
+}
+
+// int4_keys of two 16-element chunks, reduced by key_min, against block_minmax of the 32.
+template <typename L>
+__global__ void int4_keys_check(uint64_t blocks, Counts* c) {
+  using S = typename L::storage;
+  unsigned long long n = 0;
+  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+  for (uint64_t g = blockIdx.x * blockDim.x + threadIdx.x; g < blocks; g += stride) {
+    alignas(16) S x[2 * kChunk];
+    float f[2 * kChunk];
+    const bool specials = g % 4u == 0;  // a quarter of the blocks may hold zeros, Inf, NaN
+    for (int i = 0; i < 2 * kChunk; ++i) {
+      uint32_t b = specials ? hashed_bits32(33 * g + i) : mix(33 * g + i);
+      if constexpr (sizeof(S) == 2) {
+        b >>= 16;  // random bits: about one element in 256 is an Inf or NaN
+        x[i] = static_cast<S>(b);
+        f[i] = L::scalar_bits(b);
+      } else {
+        x[i] = u2f(b);
+        f[i] = u2f(b);
+      }
+    }
+    uint32_t k0[2] = {0u, 0u}, k1[2] = {0u, 0u};
+    typename L::Raw r0, r1;  // the kernels' loads are global-memory only
+    memcpy(&r0, x, sizeof(r0));
+    memcpy(&r1, x + kChunk, sizeof(r1));
+    L::int4_keys(r0, k0);
+    L::int4_keys(r1, k1);
+    for (int w = 0; w < L::kKeyWords; ++w) k0[w] = L::key_min(k0[w], k1[w]);
+    float mn, mx;
+    const bool finite = L::int4_range(k0, &mn, &mx);
+    int32_t kmin, kmax;
+    uint32_t amax;
+    block_minmax(f, 2 * kChunk, &kmin, &kmax, &amax);
+    const bool want_finite = !bits_nonfinite(amax);
+    // -0 and +0 are interchangeable as the min or max (int4_params gives both the same)
+    const bool ok = finite == want_finite &&
+                    (!finite || (mn == f32_from_order_key(kmin) && mx == f32_from_order_key(kmax)));
+    record(c, ok, static_cast<uint32_t>(g), f2u(mn));
+    ++n;
+  }
+  atomicAdd(&c->checked, n);
+}
+
 int report(const char* what, Counts* c) {
   cudaError_t e = cudaDeviceSynchronize();
   if (e != cudaSuccess) {
@@ -169,7 +279,7 @@ int report(const char* what, Counts* c) {
 }  // namespace cuda
 }  // namespace jf4
 
-int main() {
+int main(int argc, char** argv) {
   using namespace jf4;
   using namespace jf4::cuda;
   using namespace jf4::cuda::check;
@@ -180,34 +290,50 @@ int main() {
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
   const int grid = sms * 8, block = 256;
   int bad = 0;
+  // check_codecs [SUBSTRING]: only the checks whose label contains SUBSTRING
+  const char* only = argc > 1 ? argv[1] : nullptr;
+  auto check = [&](const char* what, auto launch) {
+    if (only && !std::strstr(what, only)) return;
+    launch();
+    bad |= report(what, c);
+  };
 
-  e2m1_check<<<grid, block>>>(c);
-  bad |= report("e2m1 magnitude, every a >= 0", c);
-  e2m1_pack_check<<<grid, block>>>(1ull << 32, c);
-  bad |= report("e2m1 pack of 8, hashed groups", c);
-  codebook_check<kNF4><<<grid, block>>>(c);
-  bad |= report("nf4 code, every s", c);
-  codebook_check<kBNB_FP4><<<grid, block>>>(c);
-  bad |= report("bnb_fp4 code, every s", c);
-  nvfp4_scale_check<false><<<grid, block>>>(1.0f, c);
-  bad |= report("nvfp4 one level, every amax", c);
+  check("e2m1 magnitude, every a >= 0", [&] { e2m1_check<<<grid, block>>>(c); });
+  check("e2m1 pack of 8, hashed groups",
+        [&] { e2m1_pack_check<<<grid, block>>>(1ull << 32, c); });
+  check("nf4 code, every s", [&] { codebook_check<kNF4><<<grid, block>>>(c); });
+  check("bnb_fp4 code, every s", [&] { codebook_check<kBNB_FP4><<<grid, block>>>(c); });
+  check("nvfp4 one level, every amax",
+        [&] { nvfp4_scale_check<false><<<grid, block>>>(1.0f, c); });
   const float tss[] = {0x1p-120f, 0x1.000002p-120f, 1.0f / 2688.0f, 0.37f, 1.0f, 3.0f,
                        1.1754944e-38f * 0x1p10f, 2688.0f, 0x1.fffffep99f, 0x1p100f,
                        0x1.000002p100f, 0x1p120f, 3.4028235e38f};
   for (float ts : tss) {
-    nvfp4_scale_check<true><<<grid, block>>>(ts, c);
     char what[64];
     std::snprintf(what, sizeof(what), "nvfp4 two level, every amax, ts %a", ts);
-    bad |= report(what, c);
+    check(what, [&] { nvfp4_scale_check<true><<<grid, block>>>(ts, c); });
   }
   // bf16 scales from 2^-21 (0x3500) to the largest finite (0x7f7f); f16 from the
   // smallest subnormal to 65504 (0x7bff).
-  int4_check16<true><<<grid, block>>>(0x3500u, 0x7f80u, c);
-  bad |= report("int4, every bf16 x and bf16 scale", c);
-  int4_check16<false><<<grid, block>>>(0x0001u, 0x7c00u, c);
-  bad |= report("int4, every f16 x and f16 scale", c);
-  int4_check32<<<grid, block>>>(1ull << 34, c);
-  bad |= report("int4, hashed f32 x and scale", c);
+  check("int4, every bf16 x and bf16 scale",
+        [&] { int4_check16<true><<<grid, block>>>(0x3500u, 0x7f80u, c); });
+  check("int4, every f16 x and f16 scale",
+        [&] { int4_check16<false><<<grid, block>>>(0x0001u, 0x7c00u, c); });
+  check("int4, hashed f32 x and scale",
+        [&] { int4_check32<<<grid, block>>>(1ull << 34, c); });
+  check("int4 d / 15, every d", [&] { div15_check<<<grid, block>>>(c); });
+  check("int4 params, every bf16 min <= max",
+        [&] { int4_params_check16<true><<<grid, block>>>(c); });
+  check("int4 params, every f16 min <= max",
+        [&] { int4_params_check16<false><<<grid, block>>>(c); });
+  check("int4 params, hashed f32 pairs",
+        [&] { int4_params_check32<<<grid, block>>>(1ull << 32, c); });
+  check("int4 block min / max, hashed bf16 blocks",
+        [&] { int4_keys_check<Io16<true>><<<grid, block>>>(1ull << 28, c); });
+  check("int4 block min / max, hashed f16 blocks",
+        [&] { int4_keys_check<Io16<false>><<<grid, block>>>(1ull << 28, c); });
+  check("int4 block min / max, hashed f32 blocks",
+        [&] { int4_keys_check<IoF32><<<grid, block>>>(1ull << 28, c); });
   std::printf(bad ? "FAILED\n" : "all equal\n");
   return bad;
 }

@@ -195,16 +195,19 @@ def test_cuda_int4_wide_blocks_match_reference(sd):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 def test_cuda_division_shortcuts_and_fallbacks(dtype, rng):
     """The quantize kernels divide by one Markstein step from a correctly rounded reciprocal
-    where that is exact (csrc/cuda/quant: nvfp4_scale_fast, int4_encode_fast;
-    benchmarks/check_codecs.cu checks them over every amax and every 16-bit x and scale)
-    and take the IEEE divisions elsewhere. Both sides of each boundary == reference:
-    tensor scales around 2^100 and at 2^-120, INT4 blocks whose quotients x / s pass 2^30
-    (a huge offset over a tiny range) and ones just inside, quotients near the rounding
-    ties, amax at the bottom of the normal range."""
-    # A constant block has s = 1e-5 / 15: x / s = 1.5e6 x, inside 2^30 for x = 500, beyond
-    # it for 3e4; noisy blocks around 1 and around a quarter of the dtype's largest value.
+    where that is exact (csrc/cuda/quant: nvfp4_scale_fast, int4_params_fast,
+    int4_code_biased; benchmarks/check_codecs.cu checks them over every amax and every
+    16-bit x and scale) and take the IEEE divisions elsewhere. Both sides of each boundary
+    == reference: tensor scales around 2^100 and at 2^-120, INT4 blocks whose quotients
+    x / s pass kInt4FastLimit = 2^100 (a huge offset over a tiny range), ones just inside
+    and ones past 2^22 (where the rounding by 1.5 2^23 saturates), quotients near the
+    rounding ties, amax at the bottom of the normal range."""
+    # A constant block has s = 1e-5 / 15: x / s = 1.5e6 x, small for x = 500, past 2^22
+    # for 3e4, just inside 2^100 for 5e23 and beyond it for 1e25 (float32 / bfloat16);
+    # noisy blocks around 1 and around a quarter of the dtype's largest value.
     big = float(jnp.finfo(dtype).max) / 4
-    rows = [np.full(4096, 500.0), np.full(4096, -3.0e4)]
+    rows = [np.full(4096, 500.0), np.full(4096, -3.0e4), np.full(4096, 5.0e23),
+            np.full(4096, -1.0e25)]
     for c in (1.0, big):
         rows.append(c + rng.standard_normal(4096) * 1e-3 * c)
     half = (np.arange(4096) % 16 + 0.5).astype(np.float32)  # ties of rint(x / s) and of E2M1

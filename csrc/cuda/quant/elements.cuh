@@ -32,10 +32,13 @@ constexpr int kThreads = 512;  // threads per CTA
 // round-to-nearest-even conversion (cvt.rn), which is the codecs.h rounding (f32_to_bf16 /
 // f32_to_f16); only NaN payloads may differ, and the spec does not fix those. amax_bits
 // is codecs.h block_absmax_bits of the chunk (max of |x| bits: NaN > Inf > finite),
-// taken on the packed words with the DPX 3-way min/max. minmax gives the chunk's min and
-// max as float32 for INT4, NaN ignored (a block with a NaN or Inf gets the NaN scale
-// before they are used) and either zero for a min or max of +-0 (int4_params gives both
-// the same scale and zero point).
+// taken on the packed words with the DPX 3-way min/max.
+// INT4's block statistics are order keys (codecs.h f32_order_key, or its 16-bit form for
+// 16-bit inputs: -0 just below +0, a NaN beyond the infinity of its sign): int4_keys gives
+// a chunk's (kmin, ~kmax) in kKeyWords words, so that one signed minimum per word
+// (key_min) reduces both over a block, and int4_range turns the reduced words back into
+// the block's min and max, or false where the block holds a NaN or an Inf (it gets the
+// NaN scale). A min or max of -0 for +0 gives int4_params the same scale and zero point.
 template <int NW>
 struct Raw {
   uint4 w[NW];
@@ -67,17 +70,28 @@ struct IoF32 {
       a = __vimax3_u32(a, __vimax3_u32(r.w[i].x & m, r.w[i].y & m, r.w[i].z & m), r.w[i].w & m);
     return a;
   }
-  __device__ static void minmax(const Raw& r, float* mn, float* mx) {
-    float v[kChunk];
-    to_f32(r, v);
-    float lo = v[0], hi = v[0];
+  static constexpr int kKeyWords = 2;
+  __device__ static void int4_keys(const Raw& r, uint32_t* k) {
+    const uint32_t* w = reinterpret_cast<const uint32_t*>(r.w);
+    int32_t lo = f32_order_key(u2f(w[0])), hi = lo;
 #pragma unroll
     for (int i = 1; i < kChunk; ++i) {
-      lo = fminf(lo, v[i]);
-      hi = fmaxf(hi, v[i]);
+      const int32_t key = f32_order_key(u2f(w[i]));
+      lo = min(lo, key);
+      hi = max(hi, key);
     }
-    *mn = lo;
-    *mx = hi;
+    k[0] = static_cast<uint32_t>(lo);
+    k[1] = ~static_cast<uint32_t>(hi);
+  }
+  __device__ static uint32_t key_min(uint32_t a, uint32_t b) {
+    return static_cast<uint32_t>(min(static_cast<int32_t>(a), static_cast<int32_t>(b)));
+  }
+  __device__ static bool int4_range(const uint32_t* k, float* mn, float* mx) {
+    const int32_t lo = static_cast<int32_t>(k[0]), hi = ~static_cast<int32_t>(k[1]);
+    constexpr int32_t kInfKey = static_cast<int32_t>(kInfBits);  // -Inf's key: -1 - kInfKey
+    *mn = f32_from_order_key(lo);
+    *mx = f32_from_order_key(hi);
+    return lo >= -kInfKey && hi < kInfKey;
   }
   __device__ static float scalar(const float* p) { return *p; }
   __device__ static void store(float* p, const float* v) {
@@ -124,22 +138,43 @@ struct Io16 {
     if constexpr (BF16) return h << 16;
     return f2u(__half2float(__ushort_as_half(static_cast<unsigned short>(h))));
   }
-  // On the packed pairs: one min and one max instruction per two elements.
-  __device__ static void minmax(const Raw& r, float* mn, float* mx) {
+  // One word: (kmin, ~kmax) as 16-bit keys. The min and max run on the packed pairs
+  // (min.NaN / max.NaN: a NaN gives the canonical NaN, positive, so its key lands beyond
+  // +Inf's in kmax); the two halves' keys then meet in one packed minimum.
+  static constexpr int kKeyWords = 1;
+  __device__ static void int4_keys(const Raw& r, uint32_t* k) {
     using T2 = typename std::conditional<BF16, __nv_bfloat162, __half2>::type;
     const T2* h = reinterpret_cast<const T2*>(r.w);
     T2 lo = h[0], hi = h[0];
 #pragma unroll
     for (int i = 1; i < 8; ++i) {
-      lo = __hmin2(lo, h[i]);
-      hi = __hmax2(hi, h[i]);
+      lo = __hmin2_nan(lo, h[i]);
+      hi = __hmax2_nan(hi, h[i]);
     }
-    *mn = fminf(__low2float(lo), __high2float(lo));
-    *mx = fmaxf(__low2float(hi), __high2float(hi));
+    const uint32_t klo = keys16(*reinterpret_cast<const uint32_t*>(&lo));
+    const uint32_t nkhi = ~keys16(*reinterpret_cast<const uint32_t*>(&hi));
+    k[0] = __vmins2(__byte_perm(klo, nkhi, 0x5410u), __byte_perm(klo, nkhi, 0x7632u));
   }
-  __device__ static float scalar(const uint16_t* p) {
-    return BF16 ? bf16_to_f32(*p) : __half2float(__ushort_as_half(*p));
+  __device__ static uint32_t key_min(uint32_t a, uint32_t b) { return __vmins2(a, b); }
+  __device__ static bool int4_range(const uint32_t* k, float* mn, float* mx) {
+    const int32_t lo = static_cast<int16_t>(k[0] & 0xffffu);
+    const int32_t hi = ~static_cast<int32_t>(static_cast<int16_t>(k[0] >> 16));
+    constexpr int32_t kInfKey = BF16 ? 0x7f80 : 0x7c00;  // -Inf's key: -1 - kInfKey
+    *mn = scalar_bits((lo ^ ((lo >> 31) & 0x7fff)) & 0xffff);
+    *mx = scalar_bits((hi ^ ((hi >> 31) & 0x7fff)) & 0xffff);
+    return lo >= -kInfKey && hi < kInfKey;
   }
+  // 16-bit order keys of both halves: b ^ 0x7fff where b is negative (prmt's sign
+  // replication gives each half's sign as 0xffff).
+  __device__ static uint32_t keys16(uint32_t b) {
+    uint32_t sign;
+    asm("prmt.b32 %0, %1, 0, 0xbb99;" : "=r"(sign) : "r"(b));
+    return b ^ (sign & 0x7fff7fffu);
+  }
+  __device__ static float scalar_bits(uint32_t b) {
+    return BF16 ? u2f(b << 16) : __half2float(__ushort_as_half(static_cast<unsigned short>(b)));
+  }
+  __device__ static float scalar(const uint16_t* p) { return scalar_bits(*p); }
   __device__ static void store(uint16_t* p, const float* v) {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
@@ -256,13 +291,14 @@ __device__ void build_codebook_cells(float2* cells) {
       const float a = u2f(static_cast<uint32_t>(i) << 21);
       const float b = u2f(static_cast<uint32_t>(i) << 21 | 0x1fffffu);
       const float lo = fminf(a, b), hi = fmaxf(a, b);  // the cells of Inf / NaN: unused
-      uint32_t below = 0;  // boundaries below the cell
-      float bound = u2f(kInfBits);
-      for (int j = 0; j < 15; ++j) {
-        const float bj = Codebook<FMT>::bound(j);
-        if (bj < lo) ++below;
-        else if (bj <= hi) bound = bj;
-      }
+      // boundaries below the cell, by binary search (the 15 boundaries ascend); the next
+      // one is the cell's boundary if it lies inside
+      uint32_t below = 0;
+#pragma unroll
+      for (uint32_t step = 8; step > 0; step >>= 1)
+        if (Codebook<FMT>::bound(below + step - 1) < lo) below += step;
+      const float next = below < 15 ? Codebook<FMT>::bound(below) : u2f(kInfBits);
+      const float bound = next <= hi ? next : u2f(kInfBits);
       const uint32_t codes = codebook_code<FMT>(below) | codebook_code<FMT>(below + 1u) << 8;
       cells[i] = make_float2(bound, u2f(codes));
     }
@@ -302,15 +338,25 @@ __device__ __forceinline__ uint32_t e2m1_magnitude_biased(float a) {
   return __vimin3_u32(r0, r1, min(r2, kE2m1Bias + 7u));
 }
 
-// 8 elements' E2M1 codes as one little-endian nibble word (sign in bit 3 of each nibble).
-// The biased magnitudes accumulate times 16^i by multiply-adds: the bias terms of nibbles
-// 2..7 leave the 32-bit word and those of nibbles 0 and 1 are subtracted up front. The sign
-// bits gather from each float's top byte with byte permutes: odd elements' land in bit 7
-// of their byte, even elements' in bit 7 and then shift to bit 3.
-__device__ __forceinline__ uint32_t e2m1_pack8(const float* v, float mult) {
+// 8 codes below 16, each biased by 2^23 (the bits of a float in [2^23, 2^23 + 16)), as
+// one little-endian nibble word: the biased codes accumulate times 16^i by multiply-adds
+// (the FMA pipe); the bias terms of nibbles 2..7 leave the 32-bit word and those of
+// nibbles 0 and 1 are subtracted up front. code_biased(i) gives code i.
+template <typename CodeBiased>
+__device__ __forceinline__ uint32_t pack8_biased(CodeBiased code_biased) {
   uint32_t acc = 0u - (kE2m1Bias + (kE2m1Bias << 4));
 #pragma unroll
-  for (int i = 0; i < 8; ++i) acc += e2m1_magnitude_biased(fabsf(v[i]) * mult) << (4 * i);
+  for (int i = 0; i < 8; ++i) acc += code_biased(i) << (4 * i);
+  return acc;
+}
+
+// 8 elements' E2M1 codes as one little-endian nibble word (sign in bit 3 of each nibble):
+// the magnitudes by pack8_biased; the sign bits gather from each float's top byte with
+// byte permutes: odd elements' land in bit 7 of their byte, even elements' in bit 7 and
+// then shift to bit 3.
+__device__ __forceinline__ uint32_t e2m1_pack8(const float* v, float mult) {
+  const uint32_t acc =
+      pack8_biased([&](int i) { return e2m1_magnitude_biased(fabsf(v[i]) * mult); });
   auto top_bytes = [&](int i) {  // the top bytes of elements i, i + 2, i + 4, i + 6
     return __byte_perm(__byte_perm(f2u(v[i]), f2u(v[i + 2]), 0x73u),
                        __byte_perm(f2u(v[i + 4]), f2u(v[i + 6]), 0x73u), 0x5410u);
@@ -329,13 +375,23 @@ __device__ __forceinline__ float div_markstein(float a, float b, float r) {
   return fmaf(fmaf(-q0, b, a), r, q0);
 }
 
-// == int4_encode(x, s, z) for |x| r < 2^30, with r = RN(1 / s) and zi = z: the quotient
-// by div_markstein (a quotient below the normal range rounds to integer 0 either way),
-// then codecs.h's rint and clamps as the round-to-nearest-even conversion and an integer
-// clamp: clamp(n + z, 0, 15) = clamp(n, -z, 15 - z) + z, with no overflow.
-__device__ __forceinline__ uint32_t int4_encode_fast(float x, float s, float r, int zi) {
-  const int n = __float2int_rn(div_markstein(x, s, r));
-  return static_cast<uint32_t>(min(max(n, -zi), 15 - zi) + zi);
+// == int4_encode(x, s, z) + 2^23 as float bits (pack8_biased's form), for finite x with
+// |x| r < kInt4FastLimit, r = RN(1 / s) and zc = z - 1.5 2^23, on the FMA pipe:
+// - q = x / s by div_markstein (nothing overflows below the limit; a quotient below the
+//   normal range rounds to integer 0 either way);
+// - t = q + 1.5 2^23 is RNE(q) + 1.5 2^23 exactly for |q| < 2^22, where the ulp is 1;
+//   beyond, t >= 2^24 or t <= 2^23, and the clamp below takes it to 15 or 0 as codecs.h's;
+// - t + zc = RNE(q) + z exactly (both integers below 2^25);
+// - g = sat((t + zc) RN(1/15)), the saturating multiply: 0 below 0, 1 above 15, and for
+//   an integer n in [0, 15] within 2^-23 n of n / 15, so 15 g + 2^23 rounds to 2^23 + n:
+//   the clamp to [0, 15] on the FMA pipe.
+constexpr float kInt4FastLimit = 0x1p100f;
+constexpr float kRne = 0x1.8p23f;  // 1.5 2^23: adding it rounds |q| < 2^22 to an integer
+
+__device__ __forceinline__ uint32_t int4_code_biased(float x, float s, float r, float zc) {
+  const float t = div_markstein(x, s, r) + kRne;
+  const float g = __saturatef((t + zc) * (1.0f / 15.0f));
+  return f2u(fmaf(g, 15.0f, 0x1p23f));
 }
 
 // == codebook_code<FMT>(codebook_position<FMT>(x, mult)) from the cell table: the number of

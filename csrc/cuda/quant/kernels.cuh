@@ -26,6 +26,7 @@ struct Params {
   bool two_level;
   bool rceil;
   bool swizzled;     // quantize: scales in the 128x4 layout
+  bool rows;         // chunks' rows and columns needed (two-level row scales, swizzled)
   int st;            // INT4 scale storage type
   int sbytes;        // bytes per stored scale
 };
@@ -39,13 +40,16 @@ __device__ __forceinline__ int64_t row_of(int64_t chunk, const Params& p) {
 }
 
 // Row and chunk-in-row of a thread's chunk, moved along the grid stride with adds only
-// (one division when the kernel starts).
+// (one division when the kernel starts); (0, 0) throughout where p.rows is false.
 struct RowCursor {
-  int64_t row, col;
-  __device__ RowCursor(int64_t chunk, const Params& p) : row(row_of(chunk, p)) {
+  int64_t row = 0, col = 0;
+  __device__ RowCursor(int64_t chunk, const Params& p) {
+    if (!p.rows) return;
+    row = row_of(chunk, p);
     col = chunk - row * p.cpr;
   }
   __device__ void advance(const Params& p) {
+    if (!p.rows) return;
     row += p.srow;
     col += p.scol;
     if (col >= p.cpr) {
@@ -84,9 +88,10 @@ __device__ uint32_t load_scale(const void* scales, int64_t idx, int sbytes) {
 // butterfly over the xor offsets below G, entered at the first one (the same in every
 // thread) and straight from there.
 template <typename Op>
-__device__ uint32_t group_reduce(uint32_t v, int G, int log2G, Op op, uint32_t* smem) {
+__device__ uint32_t group_reduce(uint32_t v, const Params& p, Op op, uint32_t* smem) {
+  const int G = p.G;
   auto step = [&](int o) { v = op(v, __shfl_xor_sync(0xffffffffu, v, o)); };
-  switch (log2G < 5 ? log2G : 5) {
+  switch (p.log2G < 5 ? p.log2G : 5) {
     case 5: step(16); [[fallthrough]];
     case 4: step(8); [[fallthrough]];
     case 3: step(4); [[fallthrough]];
@@ -109,29 +114,46 @@ __device__ uint32_t group_reduce(uint32_t v, int G, int log2G, Op op, uint32_t* 
 struct MaxU {
   __device__ uint32_t operator()(uint32_t a, uint32_t b) const { return a > b ? a : b; }
 };
-struct MinI {
-  __device__ uint32_t operator()(uint32_t a, uint32_t b) const {
-    return static_cast<int32_t>(a) < static_cast<int32_t>(b) ? a : b;
-  }
-};
-struct MaxI {
-  __device__ uint32_t operator()(uint32_t a, uint32_t b) const {
-    return static_cast<int32_t>(a) > static_cast<int32_t>(b) ? a : b;
-  }
+template <typename L>
+struct KeyMin {  // INT4's order-key words (elements.cuh int4_keys)
+  __device__ uint32_t operator()(uint32_t a, uint32_t b) const { return L::key_min(a, b); }
 };
 
 // ------------------------------------------------------------------ block statistics
 // One chunk's share of its block's statistics, before the group reduction: the absmax
-// bits and, for INT4, the min and max (IoF32 / Io16 minmax).
+// bits or, for INT4, the order-key words of its min and max (elements.cuh int4_keys).
 struct ChunkStats {
   uint32_t amax;
-  float mn, mx;
+  uint32_t key[2];
 };
 template <int FMT, typename L>
 __device__ __forceinline__ ChunkStats chunk_stats(const typename L::Raw& raw) {
-  ChunkStats st{L::amax_bits(raw), 0.0f, 0.0f};
-  if constexpr (FMT == kINT4) L::minmax(raw, &st.mn, &st.mx);
+  ChunkStats st{0u, {0u, 0u}};
+  if constexpr (FMT == kINT4) L::int4_keys(raw, st.key);
+  else st.amax = L::amax_bits(raw);
   return st;
+}
+
+// == int4_params(mn, mx, st) for finite mn <= mx, with r = RN(1 / s). The divisions as
+// div_markstein steps where they are exact: d / 15 (d >= 1e-5 and below 2^127: a normal
+// quotient), and mn / s where |mn| r < kInt4FastLimit (nothing overflows; a quotient
+// below the normal range rounds to 0 either way). benchmarks/check_codecs.cu compares
+// every d and every pair of 16-bit min and max.
+__device__ __forceinline__ Int4Params int4_params_fast(float mn, float mx, int st, float* r) {
+  const float d = mx - mn;
+  Int4Params q;
+  if (!(d < 0x1p127f)) {
+    q = int4_params(mn, mx, st);
+    *r = 1.0f / q.s;
+    return q;
+  }
+  q.scale_bits = scale_to_bits(div_markstein(maxf(d, 1e-5f), 15.0f, 1.0f / 15.0f), st);
+  if (st == kScaleF16 && q.scale_bits == 0x7c00u) q.scale_bits = kF16MaxBits;
+  q.s = scale_from_bits(q.scale_bits, st);
+  *r = 1.0f / q.s;
+  const float m = fabsf(mn) * *r < kInt4FastLimit ? div_markstein(mn, q.s, *r) : mn / q.s;
+  q.z = clampf(-rint_small(clampf(m, -64.0f, 64.0f)), 0.0f, 15.0f);
+  return q;
 }
 
 // == nvfp4_scale_code<TWO_LEVEL>(amax, ts), returning nvfp4_elem_mult<TWO_LEVEL> of it in
@@ -170,7 +192,7 @@ __device__ __forceinline__ uint32_t nvfp4_scale_fast(uint32_t amax, float ts, co
 // (chunk_stats, before the group reduction); tsr: the row's tensor scale (NVFP4
 // two-level). SR: the elements round stochastically with the chunk's 16 random words `rnd`
 // (stochastic.cuh), else to nearest; the block scale is the same either way.
-template <int FMT, bool SR = false>
+template <int FMT, typename L, bool SR = false>
 __device__ uint4 quantize_chunk(const float* v, ChunkStats st, float tsr, const Params& p,
                                 Tables& t, const float2* cells, uint32_t* scale_bits,
                                 uint32_t* zero, const uint32_t* rnd = nullptr) {
@@ -178,32 +200,30 @@ __device__ uint4 quantize_chunk(const float* v, ChunkStats st, float tsr, const 
   uint32_t amax = st.amax;
   uint32_t codes[kChunk];
   if constexpr (FMT == kINT4) {
-    uint32_t kmin = static_cast<uint32_t>(f32_order_key(st.mn));
-    uint32_t kmax = static_cast<uint32_t>(f32_order_key(st.mx));
-    amax = group_reduce(amax, p.G, p.log2G, MaxU(), t.red);
-    kmin = group_reduce(kmin, p.G, p.log2G, MinI(), t.red);
-    kmax = group_reduce(kmax, p.G, p.log2G, MaxI(), t.red);
-    if (bits_nonfinite(amax)) {
+#pragma unroll
+    for (int w = 0; w < L::kKeyWords; ++w)
+      st.key[w] = group_reduce(st.key[w], p, KeyMin<L>(), t.red);
+    float mn, mx, r;
+    if (!L::int4_range(st.key, &mn, &mx)) {
       *scale_bits = scale_nan_bits(p.st);
       return make_uint4(0u, 0u, 0u, 0u);
     }
-    const Int4Params q = int4_params(f32_from_order_key(static_cast<int32_t>(kmin)),
-                                     f32_from_order_key(static_cast<int32_t>(kmax)), p.st);
-    const float r = 1.0f / q.s;
-    if (SR || !(u2f(amax) * r < 0x1p30f)) {  // SR, or a quotient that may overflow
-#pragma unroll
-      for (int i = 0; i < kChunk; ++i)
-        codes[i] = SR ? int4_encode_sr(v[i], q.s, q.z, rnd[i]) : int4_encode(v[i], q.s, q.z);
-    } else {
-      const int zi = static_cast<int>(q.z);
-#pragma unroll
-      for (int i = 0; i < kChunk; ++i) codes[i] = int4_encode_fast(v[i], q.s, r, zi);
-    }
+    const Int4Params q = int4_params_fast(mn, mx, p.st, &r);
     *scale_bits = q.scale_bits;
     *zero = static_cast<uint32_t>(static_cast<int32_t>(q.z));
+    if (!SR && fmaxf(-mn, mx) * r < kInt4FastLimit) {
+      const float zc = q.z - kRne;
+      auto code = [&](const float* e) {
+        return [=](int i) { return int4_code_biased(e[i], q.s, r, zc); };
+      };
+      return make_uint4(pack8_biased(code(v)), pack8_biased(code(v + 8)), 0u, 0u);
+    }
+#pragma unroll
+    for (int i = 0; i < kChunk; ++i)
+      codes[i] = SR ? int4_encode_sr(v[i], q.s, q.z, rnd[i]) : int4_encode(v[i], q.s, q.z);
     return pack16<kBits<FMT>>(codes);
   } else {
-    amax = group_reduce(amax, p.G, p.log2G, MaxU(), t.red);
+    amax = group_reduce(amax, p, MaxU(), t.red);
     bool bad = bits_nonfinite(amax);
     if (FMT == kNVFP4 && p.two_level) bad = bad || nvfp4_bad_tensor_scale(tsr);
     if (bad) {
@@ -247,21 +267,32 @@ __device__ __forceinline__ float chunk_ts(const float* ts, int64_t row, bool liv
 // Grid-stride loop over chunks, software-pipelined: load(chunk, at) -> Raw of the
 // thread's next chunk is issued before body(chunk, at, raw) runs for this one, so 2 x 32
 // bytes of bf16 input per thread are in flight (`at`: the chunk's row and column).
+// STEPS = 2 runs two steps per iteration, so that the two buffers trade roles without
+// register copies (the quantize kernels issue ~5% fewer instructions); dequantize keeps
+// one (two slowed its write stream, benchmarks/log/NOTES.md round 39).
 // load() must return a harmless value past the end; every thread of a CTA runs the same
-// number of steps, so a body may hold barriers.
-template <typename Raw, typename Load, typename Body>
+// number of steps (the exit tests are uniform over the CTA), so a body may hold barriers.
+template <typename Raw, int STEPS = 2, typename Load, typename Body>
 __device__ __forceinline__ void for_each_chunk(const Params& p, Load load, Body body) {
+  static_assert(STEPS == 1 || STEPS == 2, "one or two steps per iteration");
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
   int64_t chunk = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   RowCursor at(chunk, p);
-  Raw cur = load(chunk, at);
-  for (; chunk - threadIdx.x < p.n_chunks; chunk += stride) {  // uniform over the CTA
-    RowCursor at_next = at;
-    at_next.advance(p);
-    const Raw nxt = load(chunk + stride, at_next);
-    body(chunk, at, cur);
-    cur = nxt;
-    at = at_next;
+  Raw a = load(chunk, at);
+  for (; chunk - threadIdx.x < p.n_chunks; chunk += STEPS * stride) {
+    RowCursor at1 = at;
+    at1.advance(p);
+    const Raw b = load(chunk + stride, at1);
+    body(chunk, at, a);
+    at = at1;
+    if constexpr (STEPS == 1) {
+      a = b;
+    } else {
+      if (chunk + stride - threadIdx.x >= p.n_chunks) break;
+      at.advance(p);
+      a = load(chunk + 2 * stride, at);
+      body(chunk + stride, at1, b);
+    }
   }
 }
 
@@ -306,7 +337,7 @@ __global__ void __launch_bounds__(kThreads, 2) quantize_kernel(
             }
           }
         }
-        const uint4 pk = quantize_chunk<FMT, SR>(v, chunk_stats<FMT, L>(raw),
+        const uint4 pk = quantize_chunk<FMT, L, SR>(v, chunk_stats<FMT, L>(raw),
                                                  chunk_ts<FMT>(ts, at.row, live, p), p, t,
                                                  cells, &sb, &z, r);
         if (!live) return;
@@ -338,7 +369,7 @@ __global__ void __launch_bounds__(kThreads, 2) fake_quantize_kernel(
         const float tsr = chunk_ts<FMT>(ts, at.row, live, p);
         uint32_t sb, z;
         const uint4 pk =
-            quantize_chunk<FMT>(v, chunk_stats<FMT, L>(raw), tsr, p, t, cells, &sb, &z);
+            quantize_chunk<FMT, L>(v, chunk_stats<FMT, L>(raw), tsr, p, t, cells, &sb, &z);
         if (!live) return;
         // every thread of the group holds the block's scale: decode locally
         decode16<FMT>(pk, block_factor<FMT>(sb, p.two_level, tsr, p.st),
@@ -391,7 +422,7 @@ __global__ void __launch_bounds__(kThreads, 1) dequantize_kernel(
   Params first_half = p;
   first_half.n_chunks = half;
   const bool rows = FMT == kNVFP4 && p.two_level;
-  for_each_chunk<Coded2>(
+  for_each_chunk<Coded2, 1>(
       first_half,
       [&](int64_t chunk, const RowCursor& at) {
         const int64_t c2 = chunk + half;

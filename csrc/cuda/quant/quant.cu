@@ -93,6 +93,7 @@ Params make_params(const Problem& p) {
   q.two_level = p.two_level;
   q.rceil = p.rceil;
   q.swizzled = p.swizzled;
+  q.rows = p.swizzled || p.two_level;
   q.st = p.scale_type;
   q.sbytes = scale_bytes(p);
   return q;
