@@ -9,10 +9,12 @@ optimisation, so the compiled HLO text never shows them). Run it under different
 to compare, e.g. `--xla_gpu_enable_command_buffer=` (none) against XLA's default.
 
   python benchmarks/step_overhead.py [--m 1] [--formats nvfp4 int4] [--layers 8] [--no-trace]
-      [--jit-loop] [--loop-trace] [--group]
+      [--jit-loop] [--loop-trace] [--group] [--launches]
 
 `--group`: every step under `jax_fp4.group_matmuls` (q / k / v and gate / up of each layer
-as one W4A16 call each; bf16's step is unchanged by it).
+as one W4A16 call each; bf16's step is unchanged by it). `--launches`: each W4A16 launch
+of a layer in stream order, its kernel time and the GPU's idle time before it, averaged
+over the layers (per-shape efficiency against the bytes it reads).
 
 `--jit-loop` adds the decode loop written inside the jit (`lax.fori_loop` over the steps:
 one call, one host dispatch, per 30 tokens): the GPU's pace, and by difference the host's
@@ -73,6 +75,34 @@ def trace_events(fn, args, calls=5):
     return (n_gpu / calls, mm_ns * 1e-9 / calls, {k: v / calls for k, v in graph.most_common(6)},
             dict(host_us.most_common(14)),
             {k: (kern_n[k], us) for k, us in kern_us.most_common(16)})
+
+
+def w4a16_launches(fn, args, per_layer, calls=5):
+    """[(microseconds, gap in microseconds)] per W4A16 launch of one layer, in stream order,
+    averaged over the layers and `calls` blocked calls of a profiler trace: each launch's
+    kernel time and the GPU's idle time between the end of the stream's previous kernel and
+    its start (what a launch costs beyond its own work)."""
+    jax.block_until_ready(fn(*args))
+    _, planes, _ = bench_quant.profile(
+        lambda: [jax.block_until_ready(fn(*args)) for _ in range(calls)])
+    got = []
+    for plane in planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            if not line.name.startswith("Stream"):
+                continue
+            events = sorted(line.events, key=lambda e: e.start_ns)
+            for prev, e in zip(events, events[1:]):
+                if "wmatmul" in e.name:
+                    got.append((e.duration_ns / 1e3, max(0.0, (e.start_ns - prev.end_ns) / 1e3)))
+    sums = [[0.0, 0.0, 0] for _ in range(per_layer)]
+    for i, (us, gap) in enumerate(got):
+        acc = sums[i % per_layer]
+        acc[0] += us
+        acc[1] += gap
+        acc[2] += 1
+    return [(us / n, gap / n) for us, gap, n in sums if n]
 
 
 def loop_trace(fn, args, iters=20):
@@ -149,6 +179,8 @@ def main():
                     help="also trace the decode loop's host events, command buffers on")
     ap.add_argument("--group", action="store_true",
                     help="the step under jax_fp4.group_matmuls (q/k/v, gate/up one call each)")
+    ap.add_argument("--launches", action="store_true",
+                    help="also each W4A16 launch of a layer: kernel time and the idle gap before it")
     args = ap.parse_args()
     if args.loop_trace:  # read when the GPU client starts, i.e. at the first computation
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
@@ -190,6 +222,11 @@ def main():
             print(f"#   host {us:9.1f} us/step  {name}", flush=True)
         for name, (n, us) in kern.items():
             print(f"#   kernel {us:8.1f} us/step  {n:5.1f}x  {name}", flush=True)
+        if args.launches and fmt != "bf16":
+            per_layer = 4 if args.group else 7  # q k v o gate up down; grouped: qkv o gu down
+            for i, (us, gap) in enumerate(w4a16_launches(fn, fa, per_layer)):
+                print(f"#   W4A16 launch {i} of each layer: {us:7.2f} us, idle before it "
+                      f"{gap:6.2f} us", flush=True)
         if args.jit_loop:
             print(f"{fmt:8s} decode loop inside the jit {jit_loop(step, fa) * 1e3:7.3f} ms/step",
                   flush=True)
