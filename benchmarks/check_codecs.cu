@@ -126,21 +126,26 @@ __device__ void check_int4(float x, float s, Counts* c, unsigned long long* n) {
   }
 }
 
-// Every finite 16-bit x (bf16 or f16 bits) against scales [s_lo, s_hi) of the same type.
-template <bool BF16>
-__global__ void int4_check16(uint32_t s_lo, uint32_t s_hi, Counts* c) {
+// Check::run(a, b, c, &n) for every 16-bit pattern a and every b in [b_lo, b_hi), both
+// read as bf16 or f16 values.
+template <bool BF16, typename Check>
+__global__ void every_pair16(uint32_t b_lo, uint32_t b_hi, Counts* c) {
   unsigned long long n = 0;
-  const uint64_t total = static_cast<uint64_t>(s_hi - s_lo) << 16;
+  const uint64_t total = static_cast<uint64_t>(b_hi - b_lo) << 16;
   const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
   for (uint64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
-    const uint32_t xb = i & 0xffffu, sb = s_lo + static_cast<uint32_t>(i >> 16);
-    const float x = BF16 ? bf16_to_f32(xb) : f16_to_f32(xb);
-    const float s = BF16 ? bf16_to_f32(sb) : f16_to_f32(sb);
-    if ((f2u(x) & kAbsMask) >= kInfBits) continue;
-    check_int4(x, s, c, &n);
+    const uint32_t ab = i & 0xffffu, bb = b_lo + static_cast<uint32_t>(i >> 16);
+    Check::run(BF16 ? bf16_to_f32(ab) : f16_to_f32(ab), BF16 ? bf16_to_f32(bb) : f16_to_f32(bb),
+               c, &n);
   }
   atomicAdd(&c->checked, n);
 }
+
+struct Int4EncodeCheck {  // a = x (finite), b = the scale
+  __device__ static void run(float x, float s, Counts* c, unsigned long long* n) {
+    if ((f2u(x) & kAbsMask) < kInfBits) check_int4(x, s, c, n);
+  }
+};
 
 // Hashed float32 pairs: x any finite value, s in [2^-21, 2^126).
 __global__ void int4_check32(uint64_t pairs, Counts* c) {
@@ -182,20 +187,11 @@ __device__ void check_params(float mn, float mx, Counts* c, unsigned long long* 
   }
 }
 
-// Every pair mn <= mx of finite 16-bit values (bf16 or f16 bits), each scale type.
-template <bool BF16>
-__global__ void int4_params_check16(Counts* c) {
-  unsigned long long n = 0;
-  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
-  for (uint64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < (1ull << 32); i += stride) {
-    const uint32_t ab = i & 0xffffu, bb = static_cast<uint32_t>(i >> 16);
-    const float a = BF16 ? bf16_to_f32(ab) : f16_to_f32(ab);
-    const float b = BF16 ? bf16_to_f32(bb) : f16_to_f32(bb);
-    if (!(a <= b) || !isfinite(a) || !isfinite(b)) continue;
-    check_params(a, b, c, &n);
+struct Int4ParamsCheck {  // a = min, b = max: every ordered pair of finite values
+  __device__ static void run(float a, float b, Counts* c, unsigned long long* n) {
+    if (a <= b && isfinite(a) && isfinite(b)) check_params(a, b, c, n);
   }
-  atomicAdd(&c->checked, n);
-}
+};
 
 // Hashed finite float32 pairs, ordered.
 __global__ void int4_params_check32(uint64_t pairs, Counts* c) {
@@ -316,16 +312,16 @@ int main(int argc, char** argv) {
   // bf16 scales from 2^-21 (0x3500) to the largest finite (0x7f7f); f16 from the
   // smallest subnormal to 65504 (0x7bff).
   check("int4, every bf16 x and bf16 scale",
-        [&] { int4_check16<true><<<grid, block>>>(0x3500u, 0x7f80u, c); });
+        [&] { every_pair16<true, Int4EncodeCheck><<<grid, block>>>(0x3500u, 0x7f80u, c); });
   check("int4, every f16 x and f16 scale",
-        [&] { int4_check16<false><<<grid, block>>>(0x0001u, 0x7c00u, c); });
+        [&] { every_pair16<false, Int4EncodeCheck><<<grid, block>>>(0x0001u, 0x7c00u, c); });
   check("int4, hashed f32 x and scale",
         [&] { int4_check32<<<grid, block>>>(1ull << 34, c); });
   check("int4 d / 15, every d", [&] { div15_check<<<grid, block>>>(c); });
   check("int4 params, every bf16 min <= max",
-        [&] { int4_params_check16<true><<<grid, block>>>(c); });
+        [&] { every_pair16<true, Int4ParamsCheck><<<grid, block>>>(0u, 0x10000u, c); });
   check("int4 params, every f16 min <= max",
-        [&] { int4_params_check16<false><<<grid, block>>>(c); });
+        [&] { every_pair16<false, Int4ParamsCheck><<<grid, block>>>(0u, 0x10000u, c); });
   check("int4 params, hashed f32 pairs",
         [&] { int4_params_check32<<<grid, block>>>(1ull << 32, c); });
   check("int4 block min / max, hashed bf16 blocks",
