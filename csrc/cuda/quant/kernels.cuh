@@ -268,8 +268,8 @@ __device__ __forceinline__ float chunk_ts(const float* ts, int64_t row, bool liv
 // thread's next chunk is issued before body(chunk, at, raw) runs for this one, so 2 x 32
 // bytes of bf16 input per thread are in flight (`at`: the chunk's row and column).
 // STEPS = 2 runs two steps per iteration, so that the two buffers trade roles without
-// register copies (the quantize kernels issue ~5% fewer instructions); dequantize keeps
-// one (two slowed its write stream, benchmarks/log/NOTES.md round 39).
+// register copies; dequantize, whose time is its stores, keeps one step (two slowed its
+// write stream).
 // load() must return a harmless value past the end; every thread of a CTA runs the same
 // number of steps (the exit tests are uniform over the CTA), so a body may hold barriers.
 template <typename Raw, int STEPS = 2, typename Load, typename Body>
